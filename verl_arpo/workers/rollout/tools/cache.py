@@ -1,0 +1,297 @@
+"""Persistent search cache shared by threads and processes: SQLite in WAL mode.
+
+The reference kept ``search_cache.json`` (one JSON object ``{query: formatted_result}``) in memory
+and rewrote the whole file on every new entry from a background thread. That costs O(entries) per
+write, loses entries when several trainer/eval processes rewrite the file concurrently (last
+writer wins), and a process killed mid-write leaves a truncated, unparsable file.
+
+Here the cache is one SQLite table in WAL mode:
+- each write is its own small transaction (a B-tree insert, independent of the cache size);
+- readers never block writers and writers of other processes queue on SQLite's lock
+  (busy_timeout), so concurrent processes all keep their entries;
+- a writer SIGKILLed at any point loses only its uncommitted transaction; the file stays valid
+  (journal replay), and everything other processes committed is there.
+- ``synchronous=NORMAL``: a committed entry survives a process crash; an OS crash / power loss may
+  drop the last few entries but never corrupts the file. That is the right trade for a cache.
+- SQLite WAL needs a local filesystem (not NFS) because it uses shared memory between processes.
+
+Compatibility: a ``cache_file`` ending in ``.json`` means "the reference's file": we use a
+sibling ``.sqlite`` database and import the JSON into it (again only if the JSON file changed).
+``export_json`` writes the reference's format back (atomically), and
+``python -m verl_arpo.workers.rollout.tools.cache export|import|stats`` does it from the shell.
+
+``async_write=True`` (the seeds' ``async_cache_write``) queues writes to a background thread that
+commits them in batches; reads see queued entries at once, and ``flush``/``close``/interpreter
+exit drain the queue.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import weakref
+from pathlib import Path
+from typing import Dict, Iterator, Optional, Tuple, Union
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS cache (query TEXT PRIMARY KEY, result TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+_BUSY_TIMEOUT_MS = 60_000
+_BATCH = 256
+_STOP = object()
+
+
+def db_path_for(cache_file: Union[str, Path]) -> Tuple[Path, Optional[Path]]:
+    """(sqlite path, reference JSON to import or None) for a configured ``cache_file``."""
+    p = Path(cache_file).expanduser()
+    if p.suffix.lower() == ".json":
+        return p.with_suffix(".sqlite"), p
+    return p, None
+
+
+class SearchCache:
+    """Query -> formatted result store. Thread-safe; safe to use from many processes at once."""
+
+    def __init__(self, cache_file: Union[str, Path], async_write: bool = False):
+        self.path, json_file = db_path_for(cache_file)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.async_write = async_write
+        self._stats_lock = threading.Lock()
+        self._stats = {"hits": 0, "misses": 0, "writes": 0}
+        self._closed = False
+        self._reset_process_state()
+        with self._conn() as conn:  # creating the schema also switches the file to WAL, once
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+        if json_file is not None and json_file.exists():
+            self._import_once(json_file)
+        # flush queued writes at interpreter exit, without keeping the cache alive for that
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+
+    # ------------------------------------------------------------------- connections / fork
+    def _reset_process_state(self) -> None:
+        # sqlite connections and threads do not survive fork(); a child starts afresh
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._all_conns = []
+        self._conns_lock = threading.Lock()
+        self._pending: Dict[str, str] = {}
+        self._pending_lock = threading.Lock()
+        self._queue: "queue.Queue" = queue.Queue()
+        self._writer: Optional[threading.Thread] = None
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(str(self.path), timeout=_BUSY_TIMEOUT_MS / 1000,
+                                   isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+            with self._conns_lock:
+                self._all_conns.append(conn)
+        return conn
+
+    # ---------------------------------------------------------------------------- reads
+    def get(self, query: str) -> Optional[str]:
+        """The cached result for ``query`` or None; counts a hit or a miss."""
+        with self._pending_lock:
+            value = self._pending.get(query)
+        if value is None:
+            row = self._conn().execute("SELECT result FROM cache WHERE query=?", (query,)).fetchone()
+            value = row[0] if row else None
+        with self._stats_lock:
+            self._stats["hits" if value is not None else "misses"] += 1
+        return value
+
+    def __contains__(self, query: str) -> bool:
+        with self._pending_lock:
+            if query in self._pending:
+                return True
+        return self._conn().execute("SELECT 1 FROM cache WHERE query=?", (query,)).fetchone() is not None
+
+    def __len__(self) -> int:
+        self.flush()
+        return self._conn().execute("SELECT COUNT(*) FROM cache").fetchone()[0]
+
+    def items(self) -> Iterator[Tuple[str, str]]:
+        self.flush()
+        yield from self._conn().execute("SELECT query, result FROM cache ORDER BY query")
+
+    # ---------------------------------------------------------------------------- writes
+    def put(self, query: str, result: str) -> None:
+        """Store a result (last write wins). Callers store successes only, never error text."""
+        if self._closed:
+            raise RuntimeError("SearchCache is closed")
+        with self._stats_lock:
+            self._stats["writes"] += 1
+        if not self.async_write:
+            self._write_many([(query, result)])
+            return
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        with self._pending_lock:
+            self._pending[query] = result
+        self._ensure_writer()
+        self._queue.put((query, result))
+
+    def _write_many(self, rows) -> None:
+        conn = self._conn()
+        # BEGIN IMMEDIATE takes the write lock up front: no deadlock-prone lock upgrade
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany("INSERT OR REPLACE INTO cache(query, result) VALUES (?, ?)", rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _ensure_writer(self) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            with self._conns_lock:
+                if self._writer is None or not self._writer.is_alive():
+                    self._writer = threading.Thread(target=self._writer_loop, name="search-cache-writer",
+                                                    daemon=True)
+                    self._writer.start()
+
+    def _writer_loop(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            batch, stop = [], item is _STOP
+            if not stop:
+                batch.append(item)
+            while len(batch) < _BATCH and not stop:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    stop = True
+                else:
+                    batch.append(nxt)
+            try:
+                if batch:
+                    self._write_many(batch)
+            except sqlite3.Error as exc:  # keep serving; the entries stay uncached
+                logger.warning("search cache: could not write %d entries: %s", len(batch), exc)
+            finally:
+                with self._pending_lock:
+                    for k, v in batch:
+                        if self._pending.get(k) is v:
+                            del self._pending[k]
+                for _ in range(len(batch) + int(stop)):
+                    q.task_done()
+            if stop:
+                return
+
+    def flush(self) -> None:
+        """Block until every queued write is committed."""
+        if self.async_write and self._pid == os.getpid() and self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Flush and close all connections. Safe to call twice (and at exit)."""
+        if self._closed:
+            return
+        if self._pid == os.getpid() and self._writer is not None and self._writer.is_alive():
+            self._queue.put(_STOP)
+            self._writer.join()
+        self._closed = True
+        with self._conns_lock:
+            for conn in self._all_conns:
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass
+            self._all_conns.clear()
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ reference JSON format
+    def import_json(self, json_file: Union[str, Path], overwrite: bool = False) -> int:
+        """Load ``{query: result}``; existing entries win unless ``overwrite``. Returns #rows read."""
+        data = json.loads(Path(json_file).read_text(encoding="utf-8") or "{}")
+        if not isinstance(data, dict):
+            raise ValueError(f"{json_file}: expected a JSON object {{query: result}}")
+        rows = [(str(k), v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+                for k, v in data.items()]
+        verb = "INSERT OR REPLACE" if overwrite else "INSERT OR IGNORE"
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany(f"{verb} INTO cache(query, result) VALUES (?, ?)", rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return len(rows)
+
+    def _import_once(self, json_file: Path) -> None:
+        st = json_file.stat()
+        key, sig = f"imported:{json_file.resolve()}", f"{st.st_size}:{st.st_mtime_ns}"
+        conn = self._conn()
+        row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        if row and row[0] == sig:
+            return
+        try:
+            n = self.import_json(json_file)
+        except (ValueError, OSError) as exc:  # a broken legacy file must not stop training
+            logger.warning("search cache: could not import %s: %s", json_file, exc)
+            return
+        conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, sig))
+        logger.info("search cache: imported %d entries from %s into %s", n, json_file, self.path)
+
+    def export_json(self, json_file: Union[str, Path]) -> int:
+        """Write all entries as the reference's JSON object (atomic replace). Returns #entries."""
+        data = dict(self.items())
+        out = Path(json_file)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+        os.replace(tmp, out)
+        return len(data)
+
+    # ---------------------------------------------------------------------------- metrics
+    def metrics(self) -> Dict[str, float]:
+        with self._stats_lock:
+            s = dict(self._stats)
+        looked = s["hits"] + s["misses"]
+        return {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_writes": s["writes"],
+                "cache_hit_rate": s["hits"] / looked if looked else 0.0}
+
+    def __repr__(self) -> str:
+        return f"SearchCache({str(self.path)!r}, async_write={self.async_write})"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Inspect / convert the search cache.")
+    ap.add_argument("command", choices=["stats", "export", "import"])
+    ap.add_argument("cache_file", help="the .sqlite database (or the .json it shadows)")
+    ap.add_argument("json_file", nargs="?", help="JSON file for export/import")
+    args = ap.parse_args(argv)
+    cache = SearchCache(args.cache_file)
+    try:
+        if args.command == "stats":
+            print(f"{cache.path}: {len(cache)} entries")
+        elif not args.json_file:
+            ap.error(f"{args.command} needs a json_file")
+        elif args.command == "export":
+            print(f"exported {cache.export_json(args.json_file)} entries to {args.json_file}")
+        else:
+            print(f"imported {cache.import_json(args.json_file)} entries from {args.json_file}")
+    finally:
+        cache.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""PythonTool: run model-written Python in a fresh sandbox per call (fixed public API).
+
+Behaviour kept from the reference: the code of ``<python>...</python>`` runs in a separate
+interpreter (``<conda_path>/envs/<conda_env>/bin/python`` when the seeds' params are given) with a
+wall-clock timeout, and a final bare expression is printed like in a REPL.
+
+Differences from the reference, and why:
+- The reference ran ``python -c '<code>'`` through a shell string with the host's environment and
+  filesystem. Quotes in the code broke it, and the code could read API keys, delete files and use
+  the network. Here the code goes through stdin, the environment is a fixed minimal one, and (when
+  bubblewrap works) each call gets its own namespaces.
+- The reference returned stdout only, so errors came back as ``""``. Here a failing program
+  returns its stdout followed by a traceback trimmed to the user's frames.
+- Output is bounded: reading stops (and the program is killed) past ``max_output_chars``.
+- A program that succeeds silently returns a short note instead of ``""``: an empty result would
+  make the executor retry (and re-run) correct code.
+
+Threat model (bubblewrap mode, the default when ``bwrap`` runs here)
+
+What is covered:
+- Network: ``--unshare-all`` gives an empty network namespace (no loopback peers, no DNS).
+- Filesystem: only /usr (+ the interpreter's own prefix) is visible, read-only; the work dir is a
+  private size-limited tmpfs that disappears with the call. /root, /home, /work, /etc are absent.
+- Secrets: the child gets a fixed minimal environment, never the host's; other processes are
+  invisible (own PID namespace, own /proc).
+- Privileges: when the host runs as root, the sandbox runs as uid/gid 65534 with no capabilities.
+- Resources: rlimits on address space (memory_mb), CPU seconds, processes (counted inside the
+  sandbox's own user namespace, so one fork bomb does not starve other sandboxes), file size and
+  open files; wall-clock timeout kills the whole sandbox (PID namespace + --die-with-parent); output
+  is capped while it is read, so a flood cannot exhaust host memory.
+
+What is not covered:
+- Kernel exploits and side channels: there is no seccomp filter and no VM boundary.
+- CPU share: two busy sandboxes compete with training for the cores until their timeouts.
+- /dev/shm and in-memory data count against RAM but are only bounded by memory_mb per process,
+  not per sandbox; a process tree can hold memory_mb x max_processes until the timeout.
+- Determinism: time, randomness and /proc/cpuinfo are the host's.
+
+Without bubblewrap (``sandbox: none``, or ``auto`` on a machine where bwrap is missing or fails) the
+code runs as a plain subprocess with the same rlimits, minimal environment, a fresh temp work dir,
+and uid 65534 when root. Then NOT covered in addition: network access, reading world-readable
+files (/etc, /usr, /tmp), writing world-writable places (/tmp, /dev/shm), and processes that call
+setsid() to escape the timeout kill (they still die at the CPU limit). A warning says so once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PYTHON = "/usr/bin/python3"
+SANDBOX_UID = 65534  # "nobody"; only used when the host runs as root
+# Variables the child sees: nothing from the host. Thread caps keep numpy from spawning a BLAS
+# thread per core in every concurrent sandbox.
+_CHILD_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MPLBACKEND": "Agg",
+}
+_MAX_CODE_CHARS = 1_000_000
+_STDERR_CAP = 64 * 1024
+_TRACEBACK_LINES = 25
+
+# Runs inside the sandbox before the user's code: it lowers its own rlimits (hard = soft, so the
+# code cannot raise them back), reads the code from stdin (no argv/quoting limits), registers the
+# source so tracebacks show the model's lines, and prints tracebacks without its own frame.
+# REPL echo (the reference's "expressions become prints"): the last top-level statement, if it is a
+# bare expression other than print(...), is passed to sys.displayhook -- the hook the interactive
+# interpreter uses (repr, nothing for None). It is done on the AST, so the source and line numbers
+# in tracebacks stay the model's, and hostile code is only ever parsed inside the sandbox.
+_LAUNCHER = r"""
+import ast, linecache, resource, sys, traceback
+_a = [int(x) for x in sys.argv[1:7]]
+for _r, _v in ((resource.RLIMIT_AS, _a[0]), (resource.RLIMIT_NPROC, _a[2]),
+               (resource.RLIMIT_FSIZE, _a[3]), (resource.RLIMIT_NOFILE, _a[4])):
+    if _v > 0:
+        resource.setrlimit(_r, (_v, _v))
+if _a[1] > 0:
+    resource.setrlimit(resource.RLIMIT_CPU, (_a[1], _a[1] + 1))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+_src = sys.stdin.buffer.read().decode("utf-8", "replace")
+sys.stdin.close()
+sys.stdin = open("/dev/null")
+sys.argv = ["<code>"]
+linecache.cache["<code>"] = (len(_src), None, _src.splitlines(True), "<code>")
+try:
+    _tree = ast.parse(_src, "<code>")
+    _last = _tree.body[-1] if _tree.body else None
+    if _a[5] and isinstance(_last, ast.Expr) and not (
+            isinstance(_last.value, ast.Call) and isinstance(_last.value.func, ast.Name)
+            and _last.value.func.id == "print"):
+        _call = ast.Call(ast.Name("__repl_echo__", ast.Load()), [_last.value], [])
+        _tree.body[-1] = ast.Expr(ast.copy_location(_call, _last.value))
+        ast.fix_missing_locations(_tree)
+    _code = compile(_tree, "<code>", "exec")
+except (SyntaxError, ValueError, RecursionError, MemoryError) as _e:
+    sys.stderr.write("".join(traceback.format_exception_only(type(_e), _e)))
+    sys.exit(1)
+_g = {"__name__": "__main__", "__builtins__": __builtins__, "__repl_echo__": sys.displayhook}
+del _a, _r, _v, _src, _tree, _last
+try:
+    exec(_code, _g)
+except SystemExit:
+    raise
+except BaseException as _e:
+    sys.stderr.write("".join(traceback.format_exception(type(_e), _e, _e.__traceback__.tb_next)))
+    sys.stderr.flush()
+    sys.exit(1)
+"""
+
+
+def trim_traceback(text: str, max_lines: int = _TRACEBACK_LINES) -> str:
+    """Keep the header and the last lines of a long traceback (deep recursion repeats itself)."""
+    lines = text.rstrip("\n").splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    keep = lines[-(max_lines - 2):]
+    return "\n".join([lines[0], f"  ... ({len(lines) - len(keep) - 1} lines omitted)"] + keep)
+
+
+def _readable_by_others(path: str) -> bool:
+    """Can uid 65534 reach and execute ``path``? (o+x on every ancestor, o+rx on the file)."""
+    p = Path(os.path.realpath(path))
+    try:
+        for parent in reversed(p.parents):
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+        mode = os.stat(p).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
+
+
+_probe_lock = threading.Lock()
+_probe_result: Optional[bool] = None
+_fallback_warned = False
+
+
+def _drop_to() -> Optional[int]:
+    """uid to run the child as: 65534 when we are root (RLIMIT_NPROC ignores root), else ours."""
+    return SANDBOX_UID if os.geteuid() == 0 else None
+
+
+def bwrap_available() -> bool:
+    """Probe once per process whether bubblewrap actually works here (not just installed)."""
+    global _probe_result
+    with _probe_lock:
+        if _probe_result is None:
+            exe = shutil.which("bwrap")
+            ok = False
+            if exe:
+                argv = [exe] + _bwrap_system_args(64 << 20, []) + [DEFAULT_PYTHON, "-c", "pass"]
+                uid = _drop_to()
+                try:
+                    r = subprocess.run(argv, env=dict(_CHILD_ENV), capture_output=True, timeout=20,
+                                       user=uid, group=uid, extra_groups=[] if uid else None)
+                    ok = r.returncode == 0
+                    if not ok:
+                        logger.warning("bubblewrap probe failed: %s", r.stderr.decode(errors="replace")[:300])
+                except (OSError, subprocess.SubprocessError) as exc:
+                    logger.warning("bubblewrap probe failed: %s", exc)
+            _probe_result = ok
+        return _probe_result
+
+
+def _bwrap_system_args(tmpfs_bytes: int, ro_paths: Sequence[str]) -> List[str]:
+    args = ["--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr"]
+    # merged-/usr systems have /lib -> usr/lib symlinks; older ones have real directories
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for path in ro_paths:
+        args += ["--ro-bind", path, path]
+    args += ["--dev", "/dev", "--proc", "/proc", "--size", str(tmpfs_bytes), "--tmpfs", "/tmp",
+             "--chdir", "/tmp"]
+    return args
+
+
+class PythonTool(BaseTool):
+    """Python code interpreter; tag ``<python>``.
+
+    Params (YAML ``tool_instances.python.params``): ``timeout`` (wall seconds per call),
+    ``max_output_chars``, ``memory_mb`` (RLIMIT_AS), ``cpu_seconds`` (default: timeout),
+    ``max_processes``, ``max_file_mb``, ``tmpfs_mb``, ``sandbox`` (auto | bwrap | none),
+    ``python_path`` or the seeds' ``conda_path`` + ``conda_env``, ``extra_ro_paths``, ``preprocess``
+    (REPL echo of a final bare expression, default on).
+    """
+
+    name = "python"
+    trigger_tag = "python"
+
+    def __init__(
+        self,
+        timeout: float = 60,
+        max_output_chars: int = 10_000,
+        memory_mb: int = 2048,
+        cpu_seconds: Optional[int] = None,
+        max_processes: int = 64,
+        max_file_mb: int = 64,
+        tmpfs_mb: int = 256,
+        sandbox: str = "auto",
+        python_path: Optional[str] = None,
+        conda_path: Optional[str] = None,
+        conda_env: Optional[str] = None,
+        extra_ro_paths: Sequence[str] = (),
+        preprocess: bool = True,
+    ):
+        if sandbox not in ("auto", "bwrap", "none"):
+            raise ValueError(f"sandbox must be auto, bwrap or none, got {sandbox!r}")
+        self.timeout = float(timeout)
+        self.max_output_chars = int(max_output_chars)
+        self.memory_mb = int(memory_mb)
+        self.cpu_seconds = int(cpu_seconds if cpu_seconds is not None else max(1, round(self.timeout)))
+        self.max_processes = int(max_processes)
+        self.max_file_mb = int(max_file_mb)
+        self.tmpfs_mb = int(tmpfs_mb)
+        self.preprocess = preprocess
+        self.python_path = self._resolve_python(python_path, conda_path, conda_env)
+        self.ro_paths = self._interpreter_prefixes(self.python_path) + [str(p) for p in extra_ro_paths]
+        if sandbox == "bwrap" and not bwrap_available():
+            raise RuntimeError("sandbox=bwrap requested but bubblewrap is missing or does not work "
+                               "(apt-get install bubblewrap; unprivileged user namespaces needed)")
+        self.sandbox = sandbox
+
+    # ----------------------------------------------------------------- configuration helpers
+    @staticmethod
+    def _resolve_python(python_path, conda_path, conda_env) -> str:
+        wanted = python_path
+        if not wanted and conda_path and conda_env:
+            wanted = os.path.join(str(conda_path), "envs", str(conda_env), "bin", "python")
+        if not wanted:
+            return DEFAULT_PYTHON
+        if not os.path.isfile(wanted):
+            # The seeds ship `conda_path: /path/to/conda`; keep their YAML usable as is.
+            logger.warning("python interpreter %s not found; using %s", wanted, DEFAULT_PYTHON)
+            return DEFAULT_PYTHON
+        if _drop_to() is not None and not _readable_by_others(wanted):
+            raise ValueError(f"interpreter {wanted} is not readable by uid {SANDBOX_UID} (the sandbox "
+                             f"user); use a world-readable one such as {DEFAULT_PYTHON}")
+        return wanted
+
+    @staticmethod
+    def _interpreter_prefixes(python: str) -> List[str]:
+        """Directories to bind read-only so a non-/usr interpreter (conda env, venv) can start."""
+        out: List[str] = []
+        for p in (os.path.abspath(python), os.path.realpath(python)):
+            prefix = os.path.dirname(os.path.dirname(p))
+            if prefix not in ("/", "/usr") and not prefix.startswith("/usr/") and prefix not in out:
+                out.append(prefix)
+        return out
+
+    def _use_bwrap(self) -> bool:
+        global _fallback_warned
+        if self.sandbox == "none":
+            return False
+        if bwrap_available():
+            return True
+        if not _fallback_warned:
+            _fallback_warned = True
+            logger.warning("bubblewrap unavailable: PythonTool falls back to a plain subprocess with "
+                           "rlimits (no network/filesystem isolation; see python_tool.py threat model)")
+        return False
+
+    # -------------------------------------------------------------------------------- running
+    def run(self, content: str) -> str:
+        if len(content) > _MAX_CODE_CHARS:
+            raise ToolError(f"code too long ({len(content)} characters, limit {_MAX_CODE_CHARS})",
+                            retryable=False)
+        limits = [self.memory_mb << 20, self.cpu_seconds, self.max_processes, self.max_file_mb << 20, 256,
+                  int(self.preprocess)]
+        cmd = [self.python_path, "-I", "-c", _LAUNCHER] + [str(v) for v in limits]
+        use_bwrap = self._use_bwrap()
+        workdir = None
+        if use_bwrap:
+            argv = [shutil.which("bwrap")] + _bwrap_system_args(self.tmpfs_mb << 20, self.ro_paths) + cmd
+            cwd = "/"
+        else:
+            workdir = tempfile.mkdtemp(prefix="pytool_")
+            if _drop_to() is not None:
+                os.chown(workdir, SANDBOX_UID, SANDBOX_UID)
+            argv, cwd = cmd, workdir
+        try:
+            rc, out, err, timed_out, overflow = _run_bounded(
+                argv, content.encode("utf-8", "replace"), cwd, self.timeout, 4 * self.max_output_chars + 4
+            )
+        finally:
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        if use_bwrap and rc == 1 and err.startswith(b"bwrap:"):
+            # the sandbox itself failed to start (e.g. EAGAIN under load): worth a retry
+            raise ToolError("sandbox failed to start: " + err.decode("utf-8", "replace").strip()[:300])
+        return self._format(rc, out, err, timed_out, overflow, signal_base=128 if use_bwrap else None)
+
+    def _format(self, rc, out: bytes, err: bytes, timed_out: bool, overflow: bool, signal_base) -> str:
+        text = out.decode("utf-8", errors="replace")
+        if overflow or len(text) > self.max_output_chars:
+            text = text[: self.max_output_chars] + (
+                f"\n... [output truncated: more than {self.max_output_chars} characters]")
+        if timed_out:
+            note = f"Error: Execution timed out after {self.timeout:g} seconds."
+            return f"{text.rstrip()}\n{note}" if text.strip() else note
+        if rc == 0 or overflow:
+            return text if text.strip() else "Code executed successfully with no output."
+        sig = -rc if rc < 0 else (rc - signal_base if signal_base and rc > signal_base else None)
+        if sig:
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            why = {"SIGXCPU": f"CPU time limit of {self.cpu_seconds} s exceeded",
+                   "SIGKILL": "killed, likely over the CPU or memory limit"}.get(name, "terminated")
+            msg = f"Error: process killed by {name} ({why})."
+        else:
+            tb = trim_traceback(err.decode("utf-8", errors="replace")) if err.strip() else ""
+            msg = tb or f"Error: process exited with status {rc}."
+        return f"{text.rstrip()}\n{msg}" if text.strip() else msg
+
+
+def _run_bounded(argv: List[str], stdin: bytes, cwd: str, timeout: float,
+                 out_cap: int) -> Tuple[int, bytes, bytes, bool, bool]:
+    """Run ``argv`` with a wall timeout, reading at most ``out_cap`` bytes of stdout.
+
+    Returns (returncode, stdout, stderr, timed_out, stdout_overflowed). On timeout or overflow the
+    whole process group is SIGKILLed; for bwrap that takes the PID namespace down with it.
+    """
+    uid = _drop_to()
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+        env=dict(_CHILD_ENV), start_new_session=True, close_fds=True,
+        user=uid, group=uid, extra_groups=[] if uid is not None else None,
+    )
+    out, err = bytearray(), bytearray()
+    timed_out = overflow = False
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        os.set_blocking(f.fileno(), False)
+    pending = memoryview(stdin)
+    if pending:
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    try:
+        while len(sel.get_map()) > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                f = key.fileobj
+                if f is proc.stdin:
+                    try:
+                        n = os.write(f.fileno(), pending[:65536])
+                    except (BrokenPipeError, BlockingIOError):
+                        n = len(pending)  # child gone or closed stdin: stop feeding
+                    pending = pending[n:]
+                    if not pending:
+                        sel.unregister(f)
+                        f.close()
+                    continue
+                chunk = os.read(f.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(f)
+                    continue
+                if f is proc.stdout:
+                    out += chunk
+                    if len(out) > out_cap:
+                        overflow = True
+                        break
+                elif len(err) < _STDERR_CAP:
+                    err += chunk[: _STDERR_CAP - len(err)]
+            if overflow:
+                break
+    finally:
+        sel.close()
+        if timed_out or overflow or proc.poll() is None:
+            # pipes are closed/EOF: give the child a moment to exit on its own before the kill
+            try:
+                if timed_out or overflow:
+                    raise subprocess.TimeoutExpired(argv, 0)
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = timed_out or not overflow
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f and not f.closed:
+                f.close()
+    return proc.returncode, bytes(out), bytes(err), timed_out, overflow
