@@ -87,7 +87,10 @@ def as_object_array(values: Any) -> np.ndarray:
         raise TypeError("tensors belong in DataProto.batch, not in non_tensor_batch")
     else:
         rows = list(values)
-    return np.array(rows, dtype=object)
+    out = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return out
 
 
 def _to_non_tensor(key: str, value: Any) -> np.ndarray:

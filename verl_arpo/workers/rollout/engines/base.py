@@ -152,6 +152,8 @@ def build_engine(name: str, model_path_or_module, tokenizer, **cfg) -> Inference
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a continuing trajectory): one C-speed comparison
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

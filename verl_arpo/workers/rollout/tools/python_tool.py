@@ -139,16 +139,18 @@ def trim_traceback(text: str, max_lines: int = _TRACEBACK_LINES) -> str:
 
 
 def _readable_by_others(path: str) -> bool:
-    """Can uid 65534 reach and execute ``path``? (o+x on every ancestor, o+rx on the file)."""
-    p = Path(os.path.realpath(path))
-    try:
-        for parent in reversed(p.parents):
-            if not os.stat(parent).st_mode & stat.S_IXOTH:
+    """Can uid 65534 reach and run ``path``? (o+x on every directory on the way, o+rx on the file;
+    checked for the path as written and for its symlink target.)"""
+    for p in {Path(os.path.abspath(path)), Path(os.path.realpath(path))}:
+        try:
+            if any(not os.stat(d).st_mode & stat.S_IXOTH for d in p.parents):
                 return False
-        mode = os.stat(p).st_mode
-    except OSError:
-        return False
-    return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
+            mode = os.stat(p).st_mode
+        except OSError:
+            return False
+        if not (mode & stat.S_IXOTH and mode & stat.S_IROTH):
+            return False
+    return True
 
 
 _probe_lock = threading.Lock()
@@ -192,11 +194,10 @@ def _bwrap_system_args(tmpfs_bytes: int, ro_paths: Sequence[str]) -> List[str]:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    for path in ro_paths:
+    args += ["--dev", "/dev", "--proc", "/proc", "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
+    for path in ro_paths:  # after the /tmp tmpfs, which would otherwise hide an env under /tmp
         args += ["--ro-bind", path, path]
-    args += ["--dev", "/dev", "--proc", "/proc", "--size", str(tmpfs_bytes), "--tmpfs", "/tmp",
-             "--chdir", "/tmp"]
-    return args
+    return args + ["--chdir", "/tmp"]
 
 
 class PythonTool(BaseTool):

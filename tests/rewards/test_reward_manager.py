@@ -1,0 +1,252 @@
+"""NaiveRewardManager: score placement, extra info, parallel == serial, custom functions."""
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from verl_arpo.protocol import DataProto
+from verl_arpo.utils.reward_manager import (NaiveRewardManager, get_custom_reward_fn,
+                                            get_reward_manager_cls, load_custom_reward_function,
+                                            load_reward_manager)
+
+P, R = 4, 48
+GOOD = "<think>t</think><answer>\\boxed{Paris}</answer>"
+BAD = "<answer>\\boxed{Paris}</answer>"  # no <think>: -1
+PART = "<think>t</think><answer>\\boxed{Eiffel Tower in Paris}</answer>"  # F1 vs "the Eiffel Tower" = 2/3
+TOOL_CALL = "<think>t</think><search>q</search>"
+TOOL_RESULT = " <result>\nr\n</result>"
+
+
+def _row(tok, pieces):
+    """pieces: list of (text, sampled) -> (ids, response_mask) with an EOS after the last piece."""
+    ids, mask = [], []
+    for text, sampled in pieces:
+        piece = tok.encode(text, add_special_tokens=False)
+        ids += piece
+        mask += [int(sampled)] * len(piece)
+    return ids, mask
+
+
+def make_batch(tok, rows, sources, truths, eos=True, extra_keys=True):
+    """rows: list of piece lists; responses right-padded to R, prompts left-padded to P."""
+    pad = tok.pad_token_id
+    responses = torch.full((len(rows), R), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(rows), R), dtype=torch.long)
+    attention = torch.zeros((len(rows), P + R), dtype=torch.long)
+    prompts = torch.full((len(rows), P), pad, dtype=torch.long)
+    lengths = []
+    for i, pieces in enumerate(rows):
+        ids, mask = _row(tok, pieces)
+        if eos and ids:
+            ids, mask = ids + [tok.eos_token_id], mask + [1]
+        assert len(ids) <= R
+        responses[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, :len(ids)] = torch.tensor(mask, dtype=torch.long)
+        attention[i, P:P + len(ids)] = 1
+        prompt = tok.encode("Q?", add_special_tokens=False)
+        prompts[i, P - len(prompt):] = torch.tensor(prompt)
+        attention[i, P - len(prompt):P] = 1
+        lengths.append(len(ids))
+    tensors = {"prompts": prompts, "responses": responses, "attention_mask": attention,
+               "response_mask": response_mask}
+    non_tensors = {"data_source": list(sources),
+                   "reward_model": [{"ground_truth": gt, "style": "rule"} for gt in truths]}
+    if extra_keys:
+        non_tensors["extra_info"] = [{"index": i} for i in range(len(rows))]
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors), lengths
+
+
+def test_score_on_last_valid_token(tiny_tokenizer):
+    rows = [
+        [(GOOD, True)],
+        [(BAD, True)],
+        [(PART, True)],
+        [(TOOL_CALL, True), (TOOL_RESULT, False), ("<answer>\\boxed{Paris}</answer>", True)],
+    ]
+    data, lengths = make_batch(tiny_tokenizer, rows, ["hotpotqa"] * 4,
+                               ["Paris", "Paris", "the Eiffel Tower", "Paris"])
+    out = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data, return_dict=True)
+    scores = out["reward_tensor"]
+    assert scores.dtype == torch.float32 and scores.shape == (4, R)
+    expected = [1.0, -1.0, 2 / 3, 1.0]
+    for i, (length, value) in enumerate(zip(lengths, expected)):
+        assert scores[i, length - 1].item() == pytest.approx(value)  # the EOS position
+        assert torch.count_nonzero(scores[i]).item() == 1
+    info = out["reward_extra_info"]
+    assert info["f1"] == pytest.approx([1.0, 0.0, 2 / 3, 1.0])
+    assert info["answer"] == ["Paris", "", "Eiffel Tower in Paris", "Paris"]
+    assert info["reason"] == ["ok", "format:no_think", "ok", "ok"]
+
+
+def test_trailing_tool_result_counts_as_valid(tiny_tokenizer):
+    # the response ends inside a tool result (response_mask 0 there, attention 1)
+    rows = [[(TOOL_CALL, True), (TOOL_RESULT, False)]]
+    data, lengths = make_batch(tiny_tokenizer, rows, ["hotpotqa"], ["Paris"], eos=False)
+    assert data.batch["response_mask"][0, lengths[0] - 1] == 0
+    seen = []
+
+    def spy(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return 0.5
+
+    scores = NaiveRewardManager(tiny_tokenizer, compute_score=spy, num_workers=0)(data)
+    assert seen == [TOOL_CALL + TOOL_RESULT]
+    assert scores[0, lengths[0] - 1].item() == 0.5
+    # with response_mask only (no attention_mask) the last sampled token is the end
+    only_mask = DataProto.from_dict(
+        tensors={"responses": data.batch["responses"], "response_mask": data.batch["response_mask"]},
+        non_tensors={k: v for k, v in data.non_tensor_batch.items()})
+    n_call = len(tiny_tokenizer.encode(TOOL_CALL, add_special_tokens=False))
+    scores = NaiveRewardManager(tiny_tokenizer, compute_score=spy, num_workers=0)(only_mask)
+    assert seen[-1] == TOOL_CALL and scores[0, n_call - 1].item() == 0.5
+
+
+def test_empty_response_goes_to_position_zero(tiny_tokenizer):
+    data, _ = make_batch(tiny_tokenizer, [[]], ["hotpotqa"], ["Paris"])
+    scores = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data)
+    assert scores[0, 0].item() == -1.0 and torch.count_nonzero(scores).item() == 1
+
+
+def test_mixed_sources_fill_missing_extra_keys_with_none(tiny_tokenizer):
+    rows = [[(GOOD, True)], [("\\boxed{\\frac{1}{2}}", True)]]
+    data, _ = make_batch(tiny_tokenizer, rows, ["hotpotqa", "math500"], ["Paris", "0.5"])
+    out = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data, return_dict=True)
+    assert out["reward_extra_info"]["f1"] == [1.0, None]
+    assert out["reward_extra_info"]["score"] == [1.0, 1.0]
+    assert len(out["reward_extra_info"]["reason"]) == 2
+
+
+def test_ground_truth_column_fallback_and_bad_returns(tiny_tokenizer):
+    data, lengths = make_batch(tiny_tokenizer, [[(GOOD, True)]], ["hotpotqa"], ["Paris"])
+    data.non_tensor_batch.pop("reward_model")
+    data.non_tensor_batch["ground_truth"] = np.array(["Paris"], dtype=object)
+    assert NaiveRewardManager(tiny_tokenizer, num_workers=0)(data)[0, lengths[0] - 1] == 1.0
+    bad = NaiveRewardManager(tiny_tokenizer, compute_score=lambda **kw: {"f1": 1.0}, num_workers=0)
+    with pytest.raises(TypeError, match="score"):
+        bad(data)
+    bad = NaiveRewardManager(tiny_tokenizer, compute_score=lambda **kw: "1.0", num_workers=0)
+    with pytest.raises(TypeError, match="float"):
+        bad(data)
+
+
+def test_rm_scores_pass_through(tiny_tokenizer):
+    data, _ = make_batch(tiny_tokenizer, [[(GOOD, True)]], ["hotpotqa"], ["Paris"])
+    data.batch["rm_scores"] = torch.full((1, R), 0.25)
+    out = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data, return_dict=True)
+    assert torch.equal(out["reward_tensor"], data.batch["rm_scores"])
+
+
+def _mixed_batch(tok, n):
+    texts = [GOOD, BAD, PART, "<think>a</think><answer>\\boxed{Berlin}</answer>"]
+    rows, sources, truths = [], [], []
+    for i in range(n):
+        if i % 3 == 2:
+            rows.append([(f"\\boxed{{{i % 5}/2}}", True)])
+            sources.append("math")
+            truths.append(str((i % 5) / 2))
+        else:
+            rows.append([(texts[i % 4], True)])
+            sources.append("hotpotqa")
+            truths.append("the Eiffel Tower" if i % 4 == 2 else "Paris")
+    return make_batch(tok, rows, sources, truths)
+
+
+CUSTOM_FILE = """
+import os
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return {"score": len(solution_str) / 100.0 + bonus, "pid": os.getpid()}
+not_callable = 3
+"""
+
+
+def test_parallel_equals_serial(tiny_tokenizer, tmp_path):
+    data, _ = _mixed_batch(tiny_tokenizer, 24)
+    serial = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data, return_dict=True)
+    manager = NaiveRewardManager(tiny_tokenizer, num_workers=2, parallel_threshold=8)
+    try:
+        parallel = manager(data, return_dict=True)
+        assert manager._pool is not None  # the pool was really used
+    finally:
+        manager.close()
+    assert torch.equal(serial["reward_tensor"], parallel["reward_tensor"])
+    assert serial["reward_extra_info"] == parallel["reward_extra_info"]
+    assert sorted(set(np.round(serial["reward_tensor"].sum(-1).tolist(), 4))) == [-1.0, 0.0, 0.6667, 1.0]
+
+    # a user's function loaded from a file also runs in (spawned) workers
+    path = tmp_path / "my_reward.py"
+    path.write_text(CUSTOM_FILE)
+    fn = load_custom_reward_function(str(path), "compute_score", {"bonus": 1.0})
+    manager = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=2, parallel_threshold=8)
+    try:
+        par = manager(data, return_dict=True)
+    finally:
+        manager.close()
+    ser = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=0)(data, return_dict=True)
+    assert torch.equal(par["reward_tensor"], ser["reward_tensor"])
+    import os
+    assert os.getpid() not in par["reward_extra_info"]["pid"]
+    assert set(ser["reward_extra_info"]["pid"]) == {os.getpid()}
+
+
+def test_unpicklable_scorer_falls_back_to_serial(tiny_tokenizer, caplog):
+    data, lengths = _mixed_batch(tiny_tokenizer, 10)
+    manager = NaiveRewardManager(tiny_tokenizer, compute_score=lambda **kw: 2.0, num_workers=2,
+                                 parallel_threshold=4)
+    scores = manager(data)
+    assert manager._pool is None and "cannot be pickled" in caplog.text
+    assert scores.sum().item() == 20.0
+
+
+def test_custom_function_loading_errors(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text(CUSTOM_FILE)
+    with pytest.raises(FileNotFoundError, match="custom_reward_function.path"):
+        load_custom_reward_function(str(tmp_path / "missing.py"), "compute_score")
+    with pytest.raises(AttributeError, match=r"custom_reward_function.name='nope'.*compute_score"):
+        load_custom_reward_function(str(path), "nope")
+    with pytest.raises(TypeError, match="not_callable"):
+        load_custom_reward_function(str(path), "not_callable")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(:\n")
+    with pytest.raises(ImportError, match="broken.py"):
+        load_custom_reward_function(str(broken), "compute_score")
+    txt = tmp_path / "r.txt"
+    txt.write_text(CUSTOM_FILE)
+    with pytest.raises(ValueError, match=".py"):
+        load_custom_reward_function(str(txt), "compute_score")
+    with pytest.raises(ValueError, match="path is empty"):
+        load_custom_reward_function("", "compute_score")
+
+
+def test_get_custom_reward_fn_from_config(tmp_path, tiny_tokenizer):
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "r2.py"
+    path.write_text(CUSTOM_FILE)
+    assert get_custom_reward_fn({"custom_reward_function": {"path": None, "name": "x"}}) is None
+    assert get_custom_reward_fn({}) is None
+    cfg = OmegaConf.create({"custom_reward_function": {"path": str(path), "name": "compute_score",
+                                                       "reward_kwargs": {"bonus": 0.5}},
+                            "reward_model": {"reward_manager": "naive"}})
+    fn = get_custom_reward_fn(cfg)
+    assert fn(data_source="x", solution_str="abcd", ground_truth="")["score"] == pytest.approx(0.54)
+    manager = load_reward_manager(cfg, tiny_tokenizer, num_examine=0)
+    assert isinstance(manager, NaiveRewardManager) and manager.compute_score.path == str(path)
+    bad = OmegaConf.create({"custom_reward_function": {"path": str(path), "name": "compute"}})
+    with pytest.raises(AttributeError, match="compute"):
+        get_custom_reward_fn(bad)
+
+
+def test_registry():
+    assert get_reward_manager_cls("naive") is NaiveRewardManager
+    with pytest.raises(ValueError, match="naive"):
+        get_reward_manager_cls("prime")
+
+
+def test_num_examine_prints_per_source(tiny_tokenizer, capsys):
+    data, _ = _mixed_batch(tiny_tokenizer, 6)
+    NaiveRewardManager(tiny_tokenizer, num_examine=1, num_workers=0)(data)
+    out = capsys.readouterr().out
+    assert out.count("[response]") == 2  # one per data source
+    assert "[prompt] Q?" in out

@@ -1,0 +1,246 @@
+"""The agent loop's rules, driven by a scripted engine (exact control of text and entropies)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scripted import EchoTool, ScriptedEngine, Turn, make_executor
+
+from verl_arpo.protocol import DataProto, as_object_array
+from verl_arpo.workers.rollout import branching
+from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
+
+CALL = "<think>t</think> <python>x=1</python>"
+ANSWER = "<answer>\\boxed{1}</answer>"
+
+
+def _prompts(tok, texts, step=0):
+    enc = [tok.encode(t, add_special_tokens=False) for t in texts]
+    width = max(len(e) for e in enc)
+    ids = torch.full((len(enc), width), tok.pad_token_id)
+    mask = torch.zeros((len(enc), width), dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, width - len(e):] = torch.tensor(e)
+        mask[i, width - len(e):] = 1
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask},
+                               non_tensors={"uid": as_object_array([f"u{i}" for i in range(len(texts))])},
+                               meta_info={"global_steps": step})
+
+
+def _loop(tok, script, executor=None, **cfg):
+    cfg.setdefault("response_length", 256)
+    cfg.setdefault("entropy_mode", "full")
+    engine = ScriptedEngine(tok, script)
+    return AgentLoop(engine, tok, executor or make_executor(cfg.get("call_limit", 3)), RolloutConfig(**cfg)), engine
+
+
+def _tree(out):
+    nt = out.non_tensor_batch
+    return list(zip(nt["uid"], nt["traj_id"], nt["parent_id"], nt["branch_round"], nt["branch_pos"]))
+
+
+def calls_then_answer(k_calls, entropies=None):
+    def script(req, k):
+        h = entropies[k] if entropies else 1.0
+        return Turn(CALL if k < k_calls else ANSWER, entropy=h)
+    return script
+
+
+def test_grpo_gives_n_per_prompt_and_masks_results(tiny_tokenizer):
+    tok = tiny_tokenizer
+    loop, _ = _loop(tok, calls_then_answer(2), n=3)
+    out = loop.generate_sequences(_prompts(tok, ["q one", "q two"]))
+    assert len(out) == 6 and list(out.non_tensor_batch["uid"]) == ["u0"] * 3 + ["u1"] * 3
+    assert out.meta_info["metrics"].get("rollout/branches", 0) == 0
+    for k in range(6):
+        resp, mask = out.batch["responses"][k].tolist(), out.batch["response_mask"][k].tolist()
+        calls = out.non_tensor_batch["tool_calls"][k]
+        assert [c["content"] for c in calls] == ["x=1", "x=1"]
+        # Independent check: the masked-out segments decode to exactly the result blocks, in order.
+        L = int(out.batch["attention_mask"][k, -256:].sum())
+        segs, cur = [], []
+        for tkn, m in zip(resp[:L], mask[:L]):
+            if m == 0:
+                cur.append(tkn)
+            elif cur:
+                segs.append(cur)
+                cur = []
+        assert [tok.decode(s) for s in segs] == [f" <result>\n{c['result']}\n</result>" for c in calls]
+        assert calls[0]["result"] == "ran:x=1"
+        sampled = [t for t, m in zip(resp[:L], mask[:L]) if m]
+        assert tok.decode(sampled) == CALL + CALL + ANSWER + tok.eos_token
+        assert all(m == 0 for m in mask[L:])
+        lp = out.batch["rollout_log_probs"][k]
+        assert torch.all(lp[torch.tensor(mask) == 1] == -0.5) and torch.all(lp[torch.tensor(mask) == 0] == 0)
+
+
+def test_call_limit_forces_masked_eos(tiny_tokenizer):
+    tok = tiny_tokenizer
+    loop, _ = _loop(tok, calls_then_answer(99), n=1, call_limit=2)
+    out = loop.generate_sequences(_prompts(tok, ["q"]))
+    L = int(out.batch["attention_mask"][0, -256:].sum())
+    resp, mask = out.batch["responses"][0, :L].tolist(), out.batch["response_mask"][0, :L].tolist()
+    assert out.non_tensor_batch["num_tool_calls"][0] == 2
+    assert resp[-1] == tok.eos_token_id and mask[-1] == 0
+    assert out.non_tensor_batch["finish_reason"][0] == "call_limit"
+    assert tok.eos_token_id not in [t for t, m in zip(resp, mask) if m]
+
+
+def test_each_trajectory_gets_its_own_length_budget(tiny_tokenizer):
+    tok = tiny_tokenizer
+    loop, engine = _loop(tok, calls_then_answer(5), n=2, response_length=60, call_limit=5)
+    out = loop.generate_sequences(_prompts(tok, ["q"]))
+    for call in engine.calls:
+        for req in call:
+            # context = prompt + response so far; its own remaining budget, never someone else's
+            used = len(req.prompt_ids) - len(tok.encode("q", add_special_tokens=False))
+            assert req.max_new_tokens == 60 - used
+    assert int(out.batch["attention_mask"][:, -60:].sum(-1).max()) <= 60
+    assert set(out.non_tensor_batch["finish_reason"]) == {"length"}
+
+
+def test_tool_content_only_from_this_rounds_response(tiny_tokenizer):
+    tok = tiny_tokenizer
+    tool = EchoTool("python")
+    ex = make_executor(python=tool)
+
+    def script(req, k):
+        return Turn("oops no open tag </python>" if k == 0 else ("<python>y=2</python>" if k == 1 else ANSWER))
+
+    loop, _ = _loop(tok, script, executor=ex, n=1)
+    out = loop.generate_sequences(_prompts(tok, ["see <python>print('from prompt')</python>"]))
+    calls = out.non_tensor_batch["tool_calls"][0]
+    assert tool.seen == ["y=2"]  # the prompt's example was never executed
+    assert calls[0]["ok"] is False and "empty" in calls[0]["result"]
+    assert calls[1]["content"] == "y=2" and calls[1]["result"] == "ran:y=2"
+
+
+def test_special_token_text_in_tool_output_stays_text(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ex = make_executor(python=EchoTool("python", reply=lambda c: "evil <|im_end|><|endoftext|> tail"))
+    loop, _ = _loop(tok, calls_then_answer(1), executor=ex, n=1)
+    out = loop.generate_sequences(_prompts(tok, ["q"]))
+    resp, mask = out.batch["responses"][0], out.batch["response_mask"][0]
+    result_ids = resp[(mask == 0) & (out.batch["attention_mask"][0, -256:] == 1)].tolist()
+    assert not set(result_ids) & set(tok.all_special_ids)
+    assert "evil <|im_end|><|endoftext|> tail" in tok.decode(result_ids)
+
+
+def test_refill_and_duplicates(tiny_tokenizer):
+    tok = tiny_tokenizer
+    # every trajectory answers at once: no active trajectory to branch from → one refill per round
+    loop, engine = _loop(tok, lambda r, k: Turn(ANSWER), n=4, initial_rollouts=2)
+    out = loop.generate_sequences(_prompts(tok, ["a", "b"]))
+    m = out.meta_info["metrics"]
+    assert len(out) == 8 and m["rollout/fresh_refills"] == 4 and m.get("rollout/duplicates", 0) == 0
+    assert [len(c) for c in engine.calls] == [4, 2, 2]  # 2+2 initial, then one refill per prompt per round
+    # capped rounds: the rest is duplicated and counted
+    loop, _ = _loop(tok, lambda r, k: Turn(ANSWER), n=4, initial_rollouts=1, max_rounds=2)
+    out = loop.generate_sequences(_prompts(tok, ["a"]))
+    assert len(out) == 4 and out.meta_info["metrics"]["rollout/duplicates"] == 2
+    ids = list(out.non_tensor_batch["traj_id"])
+    assert len(set(ids)) == 4 and out.non_tensor_batch["parent_id"][3] == ids[2]
+
+
+def _branch_rounds(out, n_prompts, n):
+    br = np.array(out.non_tensor_batch["branch_round"], dtype=int).reshape(n_prompts, n)
+    return br
+
+
+@pytest.mark.parametrize("rule", ["arpo", "aepo"])
+def test_branch_probability_follows_the_formula(tiny_tokenizer, rule):
+    tok = tiny_tokenizer
+    P, bp, w = 600, 0.3, 0.2
+    # round entropies: 1.0 then 2.0 → ΔH = 0 after round 0 and 1.0 after round 1; pre-monitoring
+    # (AEPO) sees H_root = 0 < H̄ = 1.5 → m_i = 1
+    def script(req, k):
+        if req.request_id.startswith("pm-root-"):
+            return Turn("abc", entropy=0.0, finish="length")
+        return Turn(CALL if k < 2 else ANSWER, entropy=[1.0, 2.0, 9.0][k])
+
+    cfg = dict(n=2, initial_rollouts=1, beam_size=2, branch_probability=bp, entropy_weight=w, seed=7)
+    if rule == "aepo":
+        cfg.update(enable_dynamic_rollouts=True, branch_penalty_gamma=0.0)
+    loop, _ = _loop(tok, script, **cfg)
+    out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
+    br = _branch_rounds(out, P, 2)[:, 1]  # the second trajectory of each prompt: a branch or a refill
+    if rule == "arpo":
+        p0 = bp  # U < bp
+        p1 = bp + w * 1.0
+    else:
+        p0 = 1 - bp  # U ≥ bp
+        p1 = 1 - (bp - w * 1.0)
+        assert out.meta_info["metrics"]["rollout/pre_monitor_tool_calls"] == 2 * P
+    want = {0: p0, 1: (1 - p0) * p1}
+    for r, p in want.items():
+        freq = float(np.mean(br == r))
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / P), (r, freq, p)
+    assert len(out) == 2 * P
+
+
+def test_aepo_consecutive_branch_penalty(tiny_tokenizer):
+    tok = tiny_tokenizer
+    P = 300
+
+    def script(req, k):
+        if req.request_id.startswith("pm-root-"):
+            return Turn("abc", entropy=0.0, finish="length")
+        return Turn(CALL if k < 3 else ANSWER, entropy=1.0 + k)
+
+    # γ = 1: a prompt that gained a trajectory last round cannot branch this round
+    loop, _ = _loop(tok, script, n=4, initial_rollouts=1, beam_size=2, branch_probability=0.5,
+                    entropy_weight=0.0, enable_dynamic_rollouts=True, branch_penalty_gamma=1.0,
+                    dynamic_rollout_beta=50.0, seed=3)
+    out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
+    br = np.array(out.non_tensor_batch["branch_round"], dtype=int).reshape(P, 4)
+    parents = np.array(out.non_tensor_batch["parent_id"], dtype=object).reshape(P, 4)
+    saw_unpenalised_round1 = False
+    for i in range(P):
+        rounds = {int(r) for r, par in zip(br[i], parents[i]) if par is not None and r >= 0}
+        assert not ({0, 1} <= rounds or {1, 2} <= rounds), rounds
+        saw_unpenalised_round1 |= 1 in rounds
+    assert saw_unpenalised_round1
+
+
+def test_slot_budget_never_exceeded_and_same_seed_same_tree(tiny_tokenizer):
+    tok = tiny_tokenizer
+    script = calls_then_answer(3, entropies=[1.0, 3.0, 5.0, 5.0])
+    cfg = dict(n=5, initial_rollouts=2, beam_size=3, branch_probability=0.9, entropy_weight=0.5, seed=11)
+    loop, _ = _loop(tok, script, **cfg)
+    a = loop.generate_sequences(_prompts(tok, ["a", "b", "c"], step=4))
+    assert list(a.non_tensor_batch["uid"]) == ["u0"] * 5 + ["u1"] * 5 + ["u2"] * 5
+    assert a.meta_info["metrics"]["rollout/branches"] == 9
+    b = loop.generate_sequences(_prompts(tok, ["a", "b", "c"], step=4))
+    assert _tree(a) == _tree(b)
+    assert torch.equal(a.batch["responses"], b.batch["responses"])
+    loop2, _ = _loop(tok, script, **{**cfg, "branch_probability": 0.3, "entropy_weight": 0.0})
+    trees = {tuple(_tree(loop2.generate_sequences(_prompts(tok, ["a", "b", "c"], step=s)))) for s in range(6)}
+    assert len(trees) > 1  # the step enters the seed
+
+
+def test_base_entropy_resets_between_calls(tiny_tokenizer):
+    tok = tiny_tokenizer
+    state = {"h": 0.0}
+    # bp = 0, w = 1: p = ΔH. Call 1's first round has H = 0, call 2's has H = 1: a base carried over
+    # from call 1 would give ΔH = 1 (always branch); the per-call base gives ΔH = 0 (never).
+    loop, _ = _loop(tok, lambda r, k: Turn(CALL if k == 0 else ANSWER, entropy=state["h"]),
+                    n=2, initial_rollouts=1, branch_probability=0.0, entropy_weight=1.0)
+    loop.generate_sequences(_prompts(tok, ["a"] * 20))
+    state["h"] = 1.0
+    out = loop.generate_sequences(_prompts(tok, ["a"] * 20))
+    assert out.meta_info["metrics"].get("rollout/branches", 0) == 0
+    assert out.meta_info["metrics"]["rollout/fresh_refills"] == 20
+
+
+def test_topk_proxy_entropy_matches_reference_definition():
+    rows = [[-0.1, -2.5], [-0.7, -0.7]]
+    want = sum(-(math.exp(a) * a + math.exp(b) * b) for a, b in rows) / math.log(600)
+    assert branching.topk_proxy_entropy(rows, 600, window=20) == pytest.approx(want)
+    assert branching.topk_proxy_entropy(rows, 600, window=1) == pytest.approx(
+        -(math.exp(-0.1) * -0.1 + math.exp(-2.5) * -2.5) / math.log(600))
+    assert branching.dynamic_initial_rollouts(16, 1.0, 1.0) == 9  # floor(16·0.5)+1
+    assert branching.dynamic_initial_rollouts(16, -100.0, 0.0) == 1
+    assert branching.dynamic_initial_rollouts(16, 100.0, 0.0) == 16  # floor(16)+1 clamped
+    assert branching.aepo_branch_score(0.5, 1.0, 2, 0.2, 0.1) == pytest.approx(0.7 * 0.8)
+    with pytest.raises(ValueError, match="entropy_mode"):
+        branching.round_entropy(None, "mean", 10)

@@ -1,0 +1,285 @@
+"""HFEngine invariants on the offline tiny model: it must agree with a plain full re-forward."""
+
+import pytest
+import torch
+
+from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams, build_engine
+from verl_arpo.workers.rollout.engines.hf_engine import HFEngine, _why_no_kv_reuse
+
+TOL = 1e-4
+GREEDY = SamplingParams(greedy=True, logprobs_topk=5)
+TOOL_RESULT = " <result>\n7006652\n</result>"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    texts = ["<think> I need to compute 1234 * 5678 with python. </think> <python>",
+             "Who founded the town of Veltmoor?",
+             "print(sum(x))",
+             "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris."]
+    return [tiny_tokenizer.encode(t) for t in texts]
+
+
+def engine(model, tok, **kw):
+    return HFEngine(model, tok, **kw)
+
+
+def req(rid, ids, n, sampling=GREEDY, stop=(), **kw):
+    return GenRequest(rid, list(ids), n, list(stop), sampling, **kw)
+
+
+@torch.no_grad()
+def reforward_logp(model, prompt, gen, temperature=1.0):
+    """log softmax(logits / T) at the positions that predicted `gen`, from one full forward."""
+    ids = torch.tensor([list(prompt) + list(gen)])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, n):
+    """Argmax with a full re-forward of the whole sequence every step (no cache, no padding)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_greedy_equals_reference_loop(model, tiny_tokenizer, prompts):
+    out = engine(model, tiny_tokenizer).generate([req("a", prompts[0], 12)])[0]
+    assert out.token_ids == reference_greedy(model, prompts[0], 12)
+    assert out.finish_reason == "length" and out.stop_str is None
+    logp = reforward_logp(model, prompts[0], out.token_ids)
+    want = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), want, atol=TOL)
+    assert torch.allclose(torch.tensor(out.topk_logprobs), logp.topk(5).values, atol=TOL)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
+def test_sampled_logprobs_and_entropy_equal_reforward(model, tiny_tokenizer, prompts,
+                                                      temperature, top_k, top_p):
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logprobs_topk=3)
+    out = engine(model, tiny_tokenizer).generate([req("a", prompts[1], 16, sp, seed=5)])[0]
+    logp = reforward_logp(model, prompts[1], out.token_ids, temperature)
+    tok = torch.tensor(out.token_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), logp.gather(1, tok[:, None])[:, 0], atol=TOL)
+    ent = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(torch.tensor(out.entropy), ent, atol=TOL)
+    assert torch.allclose(torch.tensor(out.topk_logprobs), logp.topk(3).values, atol=TOL)
+    if top_k > 0:  # every drawn token lies inside the truncated support
+        ranks = (logp > logp.gather(1, tok[:, None])).sum(-1)
+        assert int(ranks.max()) < top_k
+
+
+def _first_hit(tok, gen, stop):
+    """Index of the token whose decoding first contains `stop` (a plain reference)."""
+    for j in range(len(gen)):
+        if stop in tok.decode(gen[:j + 1]):
+            return j
+    return None
+
+
+def test_stop_strings_truncate_after_completing_token(model, tiny_tokenizer, prompts):
+    tok = tiny_tokenizer
+    sp = SamplingParams(temperature=1.0)
+    eng = engine(model, tok)
+    free = eng.generate([req("a", prompts[0], 40, sp, seed=11)])[0].token_ids
+    pieces = [tok.decode([t]) for t in free]
+    # A stop string straddling two tokens: the last 2 chars of token 5 + first 2 chars of token 6.
+    j = next(i for i in range(5, 30) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    straddle = pieces[j][-2:] + pieces[j + 1][:2]
+    for stop in [straddle, pieces[j + 1]]:
+        out = eng.generate([req("a", prompts[0], 40, sp, stop=["</never>", stop], seed=11)])[0]
+        hit = _first_hit(tok, free, stop)
+        assert out.finish_reason == "stop" and out.stop_str == stop
+        assert out.token_ids == free[:hit + 1]
+        assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+        assert len(out.logprobs) == len(out.topk_logprobs) == len(out.entropy) == hit + 1
+
+
+def test_per_sequence_max_new_tokens(model, tiny_tokenizer, prompts):
+    budgets = [3, 9, 1, 0]
+    outs = engine(model, tiny_tokenizer).generate(
+        [req(str(i), prompts[i], n) for i, n in enumerate(budgets)])
+    assert [len(o.token_ids) for o in outs] == budgets
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_eos_finish_includes_eos(model, tiny_tokenizer, prompts):
+    eng = engine(model, tiny_tokenizer)
+    assert tiny_tokenizer.eos_token_id in eng.eos_token_ids
+    free = eng.generate([req("a", prompts[2], 20, SamplingParams(), seed=3)])[0]
+    eng.eos_token_ids = [free.token_ids[6]]   # pretend this token is EOS
+    out = eng.generate([req("a", prompts[2], 20, SamplingParams(), seed=3)])[0]
+    k = free.token_ids.index(free.token_ids[6])
+    assert out.finish_reason == "eos" and out.stop_str is None
+    assert out.token_ids == free.token_ids[:k + 1]
+    assert out.logprobs == pytest.approx(free.logprobs[:k + 1], abs=TOL)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_batched_equals_unbatched_greedy(model, tiny_tokenizer, prompts, kv_cache):
+    eng = engine(model, tiny_tokenizer, kv_cache=kv_cache)
+    budgets = [10, 4, 14, 7]
+    batched = eng.generate([req(str(i), p, n) for i, (p, n) in enumerate(zip(prompts, budgets))])
+    eng.release()
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        alone = eng.generate([req(str(i), p, n)])[0]
+        assert batched[i].token_ids == alone.token_ids
+        assert batched[i].logprobs == pytest.approx(alone.logprobs, abs=TOL)
+        assert batched[i].entropy == pytest.approx(alone.entropy, abs=TOL)
+
+
+def _three_rounds(eng, tok, prompts, budgets, tool_texts, sampling=GREEDY):
+    """generate -> append tool result -> generate -> ... ; returns every round's outputs."""
+    ctx = {str(i): list(p) for i, p in enumerate(prompts)}
+    rounds = []
+    for rnd in range(3):
+        outs = eng.generate([req(rid, ids, budgets[int(rid)], sampling, seed=100 + int(rid))
+                             for rid, ids in ctx.items()])
+        rounds.append(outs)
+        for (rid, ids), o in zip(ctx.items(), outs):
+            ids += o.token_ids + tok.encode(tool_texts[(int(rid) + rnd) % len(tool_texts)])
+    return rounds, ctx
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, logprobs_topk=2)])
+def test_kv_cache_equals_reencode_over_three_rounds(model, tiny_tokenizer, prompts, sampling):
+    tools = [TOOL_RESULT, " <result>\nPage 1: Veltmoor: founded in 1832 by Ada Quill.\n</result>",
+             " <result>\nError: timeout\n</result>"]
+    budgets = [8, 13, 5, 10]   # rows leave the batch at different steps
+    kv = engine(model, tiny_tokenizer, kv_cache=True)
+    ref = engine(model, tiny_tokenizer, kv_cache=False)
+    got, ctx_kv = _three_rounds(kv, tiny_tokenizer, prompts, budgets, tools, sampling)
+    want, ctx_ref = _three_rounds(ref, tiny_tokenizer, prompts, budgets, tools, sampling)
+    assert ctx_kv == ctx_ref
+    for g_round, w_round in zip(got, want):
+        for g, w in zip(g_round, w_round):
+            assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+            assert g.logprobs == pytest.approx(w.logprobs, abs=TOL)
+            assert torch.allclose(torch.tensor(g.topk_logprobs), torch.tensor(w.topk_logprobs),
+                                  atol=TOL)
+    assert kv.stats["reused_tokens"] > 0 and ref.stats["reused_tokens"] == 0
+    assert kv.stats["prefill_tokens"] < ref.stats["prefill_tokens"] / 2
+    assert kv.cached_tokens() > 0
+    kv.release(["0", "1"])
+    kv.release()
+    assert kv.cached_tokens() == 0
+
+
+def test_branch_from_parent_equals_fresh(model, tiny_tokenizer, prompts):
+    eng = engine(model, tiny_tokenizer)
+    first = eng.generate([req("p", prompts[0], 9)])[0]
+    ctx = list(prompts[0]) + first.token_ids + tiny_tokenizer.encode(TOOL_RESULT)
+    eng.reset_stats()
+    # parent and branch continue in the same call, the branch from the parent's cache
+    sp = SamplingParams(temperature=1.0)
+    parent, child = eng.generate([req("p", ctx, 8, sp, seed=1), req("c", ctx, 8, sp, seed=2,
+                                                                    parent_id="p")])
+    assert eng.stats["reused_tokens"] == 2 * (len(prompts[0]) + len(first.token_ids) - 1)
+    fresh = engine(model, tiny_tokenizer)
+    want_p, want_c = fresh.generate([req("x", ctx, 8, sp, seed=1), req("y", ctx, 8, sp, seed=2)])
+    assert parent.token_ids == want_p.token_ids and child.token_ids == want_c.token_ids
+    assert child.logprobs == pytest.approx(want_c.logprobs, abs=TOL)
+
+
+def test_mixed_fresh_continuing_and_branch_rows(model, tiny_tokenizer, prompts):
+    """The ARPO round shape: continuing rows (short suffix), a branch, and a fresh long prompt in
+    one call; prefill is split by suffix length and the rows are re-padded for decoding."""
+    tok = tiny_tokenizer
+    kv, ref = engine(model, tok), engine(model, tok, kv_cache=False)
+    sp = SamplingParams(temperature=1.0, logprobs_topk=0)
+    first = [kv.generate([req(str(i), prompts[i], 6 + i, sp, seed=i)])[0] for i in range(3)]
+    ctx = [list(prompts[i]) + first[i].token_ids + tok.encode(TOOL_RESULT) for i in range(3)]
+    long_prompt = prompts[3] * 4
+    reqs = [req(str(i), ctx[i], 9, sp, seed=10 + i) for i in range(3)]
+    reqs += [req("b1", ctx[1], 7, sp, seed=20, parent_id="1"), req("new", long_prompt, 5, sp, seed=3)]
+    got = kv.generate(reqs)
+    want = ref.generate(reqs)
+    assert kv.stats["prefill_calls"] >= 2
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.topk_logprobs == [[]] * len(g.token_ids)
+        assert g.logprobs == pytest.approx(w.logprobs, abs=TOL)
+        assert g.entropy == pytest.approx(w.entropy, abs=TOL)
+
+
+def test_wrong_prefix_falls_back(model, tiny_tokenizer, prompts):
+    eng = engine(model, tiny_tokenizer)
+    first = eng.generate([req("a", prompts[3], 6)])[0]
+    ctx = list(prompts[3]) + first.token_ids
+    ctx[4] = (ctx[4] + 1) % len(tiny_tokenizer)   # the "same" trajectory, edited in the middle
+    eng.reset_stats()
+    out = eng.generate([req("a", ctx, 10)])[0]
+    assert eng.stats["prefix_mismatches"] == 1 and eng.stats["reused_tokens"] == 4
+    assert out.token_ids == reference_greedy(model, ctx, 10)
+    # A different trajectory id with no parent never reuses anything.
+    eng.reset_stats()
+    eng.generate([req("b", ctx, 2)])
+    assert eng.stats["reused_tokens"] == 0
+
+
+def test_update_weights(tiny_model_dir, tiny_tokenizer, prompts):
+    eng = HFEngine(tiny_model_dir, tiny_tokenizer)
+    before = eng.generate([req("a", prompts[0], 8)])[0]
+    assert eng.cached_tokens() > 0
+    state = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    new = [(k, v + 0.5 * torch.randn(v.shape, generator=g)) for k, v in state.items()
+           if k.endswith("mlp.down_proj.weight") or k == "model.norm.weight"]
+    eng.update_weights(iter(new))
+    assert eng.cached_tokens() == 0
+    after = eng.generate([req("a", prompts[0], 8)])[0]
+    assert after.token_ids != before.token_ids or after.logprobs != pytest.approx(before.logprobs)
+    assert after.token_ids == reference_greedy(eng.model, prompts[0], 8)
+    with pytest.raises(KeyError, match="unknown parameter"):
+        eng.update_weights([("model.nope.weight", torch.zeros(1))] + new)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        eng.update_weights([("model.norm.weight", torch.zeros(3))])
+    eng.update_weights(state.items())   # strict names are the model's own state_dict keys
+    assert eng.generate([req("a", prompts[0], 8)])[0].token_ids == before.token_ids
+
+
+def test_seeded_sampling_reproducible(model, tiny_tokenizer, prompts):
+    eng = engine(model, tiny_tokenizer)
+    sp = SamplingParams(temperature=1.0, top_p=0.95)
+    alone = eng.generate([req("a", prompts[1], 15, sp, seed=42)])[0]
+    eng.release()
+    crowd = eng.generate([req("x", prompts[0], 7, sp, seed=1), req("a", prompts[1], 15, sp, seed=42),
+                          req("y", prompts[2], 20, sp)])
+    assert crowd[1].token_ids == alone.token_ids
+    other = eng.generate([req("b", prompts[1], 15, sp, seed=43)])[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_bf16_runs_and_kv_matches(tiny_model_dir, tiny_tokenizer, prompts):
+    kv = HFEngine(tiny_model_dir, tiny_tokenizer, dtype="bfloat16")
+    assert next(kv.model.parameters()).dtype == torch.bfloat16
+    re = HFEngine(kv.model, tiny_tokenizer, kv_cache=False)
+    budgets = [6, 6, 6, 6]
+    got, _ = _three_rounds(kv, tiny_tokenizer, prompts, budgets, [TOOL_RESULT])
+    want, _ = _three_rounds(re, tiny_tokenizer, prompts, budgets, [TOOL_RESULT])
+    for g, w in zip(got[0], want[0]):   # first round: identical computation
+        assert g.token_ids == w.token_ids
+    diffs = [abs(a - b) for gr, wr in zip(got, want) for g, w in zip(gr, wr)
+             for a, b in zip(g.logprobs, w.logprobs)]
+    assert max(diffs) < 0.1 and all(torch.isfinite(torch.tensor(o.entropy)).all()
+                                    for r in got for o in r)
+
+
+def test_build_engine_and_cache_support(tiny_model_dir, tiny_tokenizer):
+    with pytest.raises(ValueError, match=r"rollout\.name.*'hf', 'vllm'"):
+        build_engine("sglang", tiny_model_dir, tiny_tokenizer)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                           num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=1, use_sliding_window=True,
+                                           sliding_window=4, max_window_layers=0))
+    assert _why_no_kv_reuse(sliding) is not None

@@ -1,0 +1,282 @@
+"""Reward managers: turn a rollout batch into `token_level_scores` with a rule-based scorer.
+
+`NaiveRewardManager(tokenizer, num_examine, compute_score, reward_fn_key)` (verl's name and
+arguments). For each row i of a DataProto holding `responses` (B, R) and `attention_mask`
+(B, P + R) and/or `response_mask` (B, R):
+
+    valid_i      = attention_mask[i, P:] OR response_mask[i]     (tool results count as valid)
+    L_i          = 1 + last index where valid_i == 1              (0 if none)
+    text_i       = decode(responses[i, :L_i], skip_special_tokens=True)
+    s_i          = compute_score(data_source=ds_i, solution_str=text_i,
+                                 ground_truth=reward_model_i["ground_truth"], extra_info=ex_i)
+    token_level_scores[i, L_i - 1] = s_i          (float32, shape of `responses`; index 0 if L_i = 0)
+
+`compute_score` may return a float or a dict with "score"; the other keys of dicts are gathered
+into `reward_extra_info[key]` (one entry per row, None where a row's dict lacks the key).
+
+Parallelism: batches with at least `parallel_threshold` rows are scored by a persistent
+`ProcessPoolExecutor` (`num_workers` processes, spawn start method by default: no fork of a
+process that holds torch / Ray threads), in contiguous chunks whose results are concatenated in
+order, so the output is identical to serial scoring. Workers import no torch (they run
+`reward_score.custom.score_items`). A scorer that cannot be pickled (a lambda) is scored serially,
+with one warning. The math scorer's signal-based timeouts work in the workers' main threads.
+
+Departures from verl: the valid length also covers a trailing tool result (verl counts
+`attention_mask` only, which agrees when tool results have attention 1); a zero-length response
+gets its score at position 0 instead of wrapping to the last (padding) position; a scorer
+exception propagates with a note naming the sample instead of killing the run silently.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from verl_arpo.utils.reward_score import default_compute_score
+from verl_arpo.utils.reward_score.custom import (CustomRewardFunction, load_custom_reward_function,
+                                                 score_items)
+
+__all__ = ["NaiveRewardManager", "load_custom_reward_function", "get_custom_reward_fn",
+           "register_reward_manager", "get_reward_manager_cls", "load_reward_manager",
+           "CustomRewardFunction"]
+
+logger = logging.getLogger(__name__)
+
+REWARD_MANAGER_REGISTRY: Dict[str, type] = {}
+
+
+def register_reward_manager(name: str) -> Callable[[type], type]:
+    """Class decorator: make a reward manager available as `reward_model.reward_manager=name`."""
+    def decorator(cls: type) -> type:
+        if name in REWARD_MANAGER_REGISTRY and REWARD_MANAGER_REGISTRY[name] is not cls:
+            raise ValueError(f"reward manager {name!r} is already registered")
+        REWARD_MANAGER_REGISTRY[name] = cls
+        return cls
+    return decorator
+
+
+def get_reward_manager_cls(name: str) -> type:
+    """The reward manager class registered as `name` (ValueError listing the known names)."""
+    if name not in REWARD_MANAGER_REGISTRY:
+        raise ValueError(f"unknown reward manager {name!r}; known: {sorted(REWARD_MANAGER_REGISTRY)}")
+    return REWARD_MANAGER_REGISTRY[name]
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    getter = getattr(cfg, "get", None)
+    return getter(key, default) if callable(getter) else getattr(cfg, key, default)
+
+
+def get_custom_reward_fn(config: Any) -> Optional[CustomRewardFunction]:
+    """verl's entry point: `config.custom_reward_function.{path,name,reward_kwargs}` -> function.
+
+    Returns None when no path is set (the manager then uses `default_compute_score`).
+    """
+    section = _cfg_get(config, "custom_reward_function")
+    path = _cfg_get(section, "path")
+    if not path:
+        return None
+    name = _cfg_get(section, "name") or "compute_score"
+    kwargs = _cfg_get(section, "reward_kwargs") or {}
+    return load_custom_reward_function(path, name, dict(kwargs))
+
+
+def _score_and_extras(result: Any, index: int) -> Tuple[float, Dict[str, Any]]:
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise TypeError(f"compute_score returned a dict without 'score' for sample {index}: {sorted(result)}")
+        return float(result["score"]), result
+    if isinstance(result, (int, float, np.number, bool, np.bool_)):
+        return float(result), {}
+    raise TypeError(
+        f"compute_score must return a float or a dict with 'score'; got {type(result).__name__} for sample {index}"
+    )
+
+
+@register_reward_manager("naive")
+class NaiveRewardManager:
+    """Score each response with a rule (see the module docstring for the exact rule).
+
+    Args:
+        tokenizer: decodes responses (special tokens skipped).
+        num_examine: print this many decoded samples per data source per call (0: none).
+        compute_score: `f(data_source, solution_str, ground_truth, extra_info)`; default
+            `default_compute_score` (dispatch on data source).
+        reward_fn_key: non-tensor column holding the data source.
+        num_workers: scoring processes for large batches (<= 1: always serial).
+        parallel_threshold: minimum batch size for parallel scoring.
+        mp_start_method: multiprocessing start method of the pool ("spawn", "forkserver", "fork").
+    """
+
+    def __init__(self, tokenizer: Any, num_examine: int = 0, compute_score: Optional[Callable] = None,
+                 reward_fn_key: str = "data_source", num_workers: Optional[int] = None,
+                 parallel_threshold: int = 256, mp_start_method: str = "spawn", **unused: Any):
+        self.tokenizer = tokenizer
+        self.num_examine = int(num_examine)
+        self.compute_score = compute_score or default_compute_score
+        self.reward_fn_key = reward_fn_key
+        self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
+        self.parallel_threshold = int(parallel_threshold)
+        self.mp_start_method = mp_start_method
+        self._pool: Optional[ProcessPoolExecutor] = None
+        self._picklable: Optional[bool] = None
+        if unused:
+            logger.info("NaiveRewardManager ignores arguments %s", sorted(unused))
+
+    # -- pool ------------------------------------------------------------------------------------
+    def _can_parallelize(self, n: int) -> bool:
+        if self.num_workers <= 1 or n < self.parallel_threshold:
+            return False
+        if self._picklable is None:
+            try:
+                pickle.dumps(self.compute_score)
+                self._picklable = True
+            except Exception as exc:
+                logger.warning("compute_score %r cannot be pickled (%s); scoring serially",
+                               self.compute_score, exc)
+                self._picklable = False
+        return self._picklable
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = multiprocessing.get_context(self.mp_start_method)
+            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+        return self._pool
+
+    def close(self) -> None:
+        """Shut the worker pool down (it is re-created on the next large batch)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __del__(self) -> None:  # best effort; call close() explicitly when you can
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+        except Exception:
+            pass
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_pool"] = None
+        return state
+
+    # -- scoring -----------------------------------------------------------------------------------
+    def score_items(self, items: List[Tuple[int, Any, str, Any, Any]]) -> List[Any]:
+        """Score (index, data_source, solution_str, ground_truth, extra_info) tuples, in order."""
+        if not self._can_parallelize(len(items)):
+            return score_items(self.compute_score, items)
+        n_chunks = min(len(items), self.num_workers * 4)
+        bounds = np.linspace(0, len(items), n_chunks + 1).astype(int)
+        chunks = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        try:
+            pool = self._get_pool()
+            futures = [pool.submit(score_items, self.compute_score, chunk) for chunk in chunks]
+            return [result for future in futures for result in future.result()]
+        except BrokenProcessPool as exc:
+            logger.warning("reward worker pool broke (%s); scoring this batch serially", exc)
+            self._pool = None
+            return score_items(self.compute_score, items)
+
+    @staticmethod
+    def valid_response_lengths(data: Any) -> torch.Tensor:
+        """L_i: one past the last valid response position (attention_mask OR response_mask)."""
+        batch = data.batch
+        responses = batch["responses"]
+        width = responses.shape[-1]
+        valid = torch.zeros_like(responses, dtype=torch.bool)
+        keys = set(batch.keys())
+        if "attention_mask" in keys and batch["attention_mask"].shape[-1] >= width:
+            valid |= batch["attention_mask"][:, -width:].bool()
+        if "response_mask" in keys:
+            valid |= batch["response_mask"].bool()
+        if not ({"attention_mask", "response_mask"} & keys):
+            raise KeyError("reward manager needs 'attention_mask' or 'response_mask' in DataProto.batch")
+        positions = torch.arange(1, width + 1, device=responses.device).expand_as(responses)
+        return (positions * valid).max(dim=-1).values
+
+    def _ground_truth(self, data: Any, i: int) -> Any:
+        nt = data.non_tensor_batch
+        if "reward_model" in nt:
+            entry = nt["reward_model"][i]
+            if isinstance(entry, dict) and "ground_truth" in entry:
+                return entry["ground_truth"]
+        if "ground_truth" in nt:
+            return nt["ground_truth"][i]
+        raise KeyError(f"row {i}: no ground truth (need non_tensor_batch['reward_model'][i]['ground_truth'] "
+                       "or non_tensor_batch['ground_truth'])")
+
+    def __call__(self, data: Any, return_dict: bool = False) -> Any:
+        """token_level_scores for `data` (a DataProto); with return_dict also reward_extra_info."""
+        if "rm_scores" in data.batch.keys():  # a model-based reward was already computed
+            scores = data.batch["rm_scores"]
+            return {"reward_tensor": scores, "reward_extra_info": {}} if return_dict else scores
+        responses = data.batch["responses"]
+        n = responses.shape[0]
+        lengths = self.valid_response_lengths(data).tolist()
+        id_lists = [responses[i, :lengths[i]].tolist() for i in range(n)]
+        texts = self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+        nt = data.non_tensor_batch
+        if self.reward_fn_key not in nt:
+            raise KeyError(f"non_tensor_batch has no {self.reward_fn_key!r} (reward_fn_key); keys: {sorted(nt)}")
+        extra = nt.get("extra_info")
+        items = [(i, nt[self.reward_fn_key][i], texts[i], self._ground_truth(data, i),
+                  None if extra is None else extra[i]) for i in range(n)]
+        results = self.score_items(items)
+
+        reward_tensor = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+        per_row: List[Dict[str, Any]] = []
+        for i, result in enumerate(results):
+            score, extras = _score_and_extras(result, i)
+            reward_tensor[i, max(lengths[i] - 1, 0)] = score
+            per_row.append(extras)
+        keys = [k for row in per_row for k in row]
+        reward_extra_info: Dict[str, List[Any]] = {k: [row.get(k) for row in per_row] for k in dict.fromkeys(keys)}
+        self._examine(data, items, results, lengths)
+        if return_dict:
+            return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info}
+        return reward_tensor
+
+    def _examine(self, data: Any, items: List[Tuple], results: List[Any], lengths: List[int]) -> None:
+        if self.num_examine <= 0:
+            return
+        shown: Dict[str, int] = defaultdict(int)
+        prompts = data.batch["prompts"] if "prompts" in data.batch.keys() else None
+        for (i, source, text, truth, _), result in zip(items, results):
+            if shown[str(source)] >= self.num_examine:
+                continue
+            shown[str(source)] += 1
+            if prompts is not None:
+                ids = prompts[i][data.batch["attention_mask"][i, :prompts.shape[-1]].bool()].tolist() \
+                    if "attention_mask" in data.batch.keys() else prompts[i].tolist()
+                print("[prompt]", self.tokenizer.decode(ids, skip_special_tokens=True))
+            print("[response]", text)
+            print("[ground_truth]", truth)
+            print("[score]", result)
+
+
+def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> Any:
+    """Build the reward manager named by `config.reward_model.reward_manager` (default "naive").
+
+    Uses `custom_reward_function` when its path is set, `data.reward_fn_key` (default
+    "data_source"), and the optional `reward_model.num_workers` / `reward_model.parallel_threshold`.
+    """
+    reward_cfg = _cfg_get(config, "reward_model")
+    cls = get_reward_manager_cls(_cfg_get(reward_cfg, "reward_manager") or "naive")
+    options = {"reward_fn_key": _cfg_get(_cfg_get(config, "data"), "reward_fn_key") or "data_source"}
+    for key in ("num_workers", "parallel_threshold"):
+        value = _cfg_get(reward_cfg, key)
+        if value is not None:
+            options[key] = value
+    options.update(kwargs)
+    return cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=get_custom_reward_fn(config), **options)

@@ -1,0 +1,378 @@
+"""The multi-turn tool rollout with ARPO branching and AEPO dynamic budget (ALGORITHMS.md §3–5).
+
+One code path for GRPO, ARPO and AEPO; the branch rule is a switch (see branching.py). Read
+`AgentLoop.generate_sequences` top to bottom:
+
+    1. budget     m0 = min(initial_rollouts, n) per prompt, or AEPO's m_i from pre-monitoring
+    2. rounds     every active trajectory generates until EOS, a tool's stop string (`</python>`,
+                  `</search>`) or its *own* remaining length budget; its round entropy H_k is
+                  recorded (the first round sets its base H0_k)
+    3. tools      each stop string runs the tool on the text between the last `<tag>` and `</tag>`
+                  of *this round's generated text*; ` <result>\\n…\\n</result>` is appended with
+                  loss mask 0. Past `call_limit`, a forced EOS (mask 0) ends the trajectory.
+    4. branch     for each prompt with free slots, each active trajectory draws up to beam_size−1
+                  times (ΔH = H_k − H0_k); a branch copies the state and diverges at the next token
+    5. refill     a prompt with no active trajectory but fewer than n gets one fresh trajectory
+    6. output     exactly n trajectories per prompt, grouped by prompt, as a DataProto
+
+Fixes against the reference implementation (each marked [fix] in ALGORITHMS.md): per-trajectory
+length budgets; tool content taken from the response only; tool text encoded without special
+tokens and unable to produce special-token ids; the forced EOS masked out; base entropies reset
+per call and keyed per trajectory; a seeded RNG (`rollout.seed`) for every draw; duplicates
+counted in a metric instead of hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl_arpo.protocol import DataProto, as_object_array
+from verl_arpo.utils.torch_functional import compute_position_id_with_mask
+from verl_arpo.workers.rollout import branching
+from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
+from verl_arpo.workers.rollout.tool_text import encode_tool_result, extract_tool_call
+
+EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout keys of `actor_rollout_ref.rollout` (plus the response budget from `data`)."""
+
+    n: int = 1
+    """trajectories per prompt at the end (the GRPO group size)."""
+    initial_rollouts: int | None = None
+    """m0: independent trajectories started per prompt; None or ≥ n means plain GRPO (no branching)."""
+    beam_size: int = 2
+    """a trajectory may spawn up to beam_size − 1 branches per round."""
+    branch_probability: float = 0.5
+    """ARPO: base branch probability; AEPO (dynamic): the threshold on the branch score."""
+    entropy_weight: float = 0.2
+    """weight of ΔH = H_k − H0_k in the branch rule."""
+    enable_dynamic_rollouts: bool = False
+    """AEPO: entropy pre-monitoring sets m_i per prompt, and branching pays the consecutive-branch penalty."""
+    dynamic_rollout_beta: float = 0.5
+    """AEPO β in m_i = floor(n·σ(β·(H_root − H̄))) + 1."""
+    branch_penalty_gamma: float = 0.05
+    """AEPO γ in the branch penalty max(0, 1 − γ·c_i)."""
+    initial_entropy_tokens: int = 50
+    """AEPO: length of the short generation that measures H_root."""
+    entropy_mode: str = "topk_proxy"
+    """round entropy: `topk_proxy` (the reference's top-k sum / ln|V|) or `full` (exact, mean)."""
+    entropy_window: int = 20
+    """round entropy uses the first ≤ entropy_window tokens generated in the round."""
+    entropy_topk: int = 10
+    """top-k log-probs per position requested from the engine (for topk_proxy)."""
+    response_length: int = 512
+    """max response tokens per trajectory, generated and tool-result tokens together."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    call_limit: int = 3
+    """tool calls per trajectory; the next call ends the trajectory with a forced (masked) EOS."""
+    max_rounds: int | None = None
+    """optional cap on rounds per generate call; trajectories still short of n are then duplicated."""
+    seed: int = 0
+    """seeds every branch draw and sampling seed, with the training step: same seed → same tree."""
+    val_kwargs: dict = field(default_factory=lambda: {"temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                                      "do_sample": False, "n": 1})
+    """validation sampling: greedy by default, n = 1, never branches."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides) -> "RolloutConfig":
+        """Build from a dict / OmegaConf node, ignoring keys this loop does not use."""
+        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+        kwargs = {f.name: get(f.name, None) for f in fields(cls)}
+        kwargs = {k: (dict(v) if k == "val_kwargs" else v) for k, v in kwargs.items() if v is not None}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @property
+    def branch_rule(self) -> str:
+        if self.enable_dynamic_rollouts:
+            return "aepo"
+        return "none" if branching.initial_rollout_count(self.n, self.initial_rollouts) >= self.n else "arpo"
+
+
+@dataclass
+class Trajectory:
+    """One growing response; a branch is a deep copy that diverges from its next token."""
+
+    traj_id: str
+    prompt_idx: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_tool_calls: int = 0
+    done: bool = False
+    finish_reason: str = ""
+    round_entropies: list[float] = field(default_factory=list)
+    base_entropy: float | None = None  # H0_k
+    delta_entropy: float = 0.0  # ΔH of the latest round
+    parent_id: str | None = None
+    branch_round: int = -1
+    branch_pos: int = -1
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.response_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def branch(self, new_id: str, round_idx: int) -> "Trajectory":
+        child = copy.deepcopy(self)
+        child.traj_id, child.parent_id = new_id, self.traj_id
+        child.branch_round, child.branch_pos = round_idx, len(self.response_ids)
+        child.base_entropy, child.delta_entropy = None, 0.0  # a branch records its own H0
+        return child
+
+
+class AgentLoop:
+    """Drives any `InferenceEngine` and a `ToolExecutor` through multi-turn tool rollouts."""
+
+    def __init__(self, engine, tokenizer, executor, config: RolloutConfig):
+        self.engine, self.tokenizer, self.executor, self.cfg = engine, tokenizer, executor, config
+        self.stop_strings = list(executor.stop_strings) if executor is not None else []
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tokenizer)
+
+    # ---------------------------------------------------------------------------------------
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        cfg, meta = self.cfg, prompts.meta_info
+        validate = bool(meta.get("validate", False))
+        rng = np.random.default_rng([cfg.seed, int(meta.get("global_steps", 0)), int(validate)])
+        n, rule, sampling = self._mode(validate, meta)
+        prompt_ids = self._unpad_prompts(prompts)
+        self._ids = defaultdict(int)
+        self._stats: dict[str, float] = defaultdict(float)
+        self._round_entropy: dict[int, list[float]] = defaultdict(list)
+        t0 = time.time()
+
+        # 1. budget: m0 per prompt, or AEPO's entropy pre-monitoring
+        if rule == "aepo":
+            budgets = self._pre_monitor(prompt_ids, sampling, rng, n)
+        else:
+            budgets = [branching.initial_rollout_count(n, cfg.initial_rollouts if rule != "none" else n)] * len(prompt_ids)
+        groups = [[self._new_traj(i, ids) for _ in range(m)] for i, (ids, m) in enumerate(zip(prompt_ids, budgets))]
+
+        # 2–5. rounds until every trajectory is done (or max_rounds)
+        consecutive = [0] * len(groups)  # AEPO c_i
+        round_idx = 0
+        while any(not t.done for g in groups for t in g):
+            if cfg.max_rounds is not None and round_idx >= cfg.max_rounds:
+                break
+            active = [t for g in groups for t in g if not t.done]
+            self._run_round(active, sampling, rng, round_idx)
+            gained = self._branch(groups, rule, rng, consecutive, round_idx, n)
+            gained = [g or self._refill(groups[i], prompt_ids[i], n) for i, g in enumerate(gained)]
+            consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
+            round_idx += 1
+
+        # 6. exactly n per prompt: cut a round-capped run, duplicate the last one if short
+        for g in groups:
+            g[:] = [t for t in g if t.done or t.response_ids]  # drop refills that never ran
+            for t in g:
+                if not t.done:
+                    t.done, t.finish_reason = True, "max_rounds"
+            while len(g) < n:
+                g.append(g[-1].branch(self._next_id(g[-1].prompt_idx), round_idx))
+                self._stats["rollout/duplicates"] += 1
+        self.engine.release()
+        self._stats["timing_s/rollout"] = time.time() - t0
+        self._stats["rollout/rounds"] = round_idx
+        return self._to_dataproto(prompts, groups)
+
+    # ---------------------------------------------------------------------------------------
+    def _mode(self, validate: bool, meta: dict) -> tuple[int, str, SamplingParams]:
+        cfg = self.cfg
+        if validate:
+            vk = cfg.val_kwargs
+            greedy = not vk.get("do_sample", False) or float(vk.get("temperature", 0.0)) <= 0
+            sp = SamplingParams(temperature=float(vk.get("temperature", 1.0)) if not greedy else 1.0,
+                                top_p=float(vk.get("top_p", 1.0)), top_k=int(vk.get("top_k", -1)), greedy=greedy)
+            n, rule = int(vk.get("n", 1)), "none"
+        else:
+            greedy = meta.get("do_sample", True) is False
+            sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
+            n, rule = int(meta.get("n", cfg.n)), cfg.branch_rule
+        sp.logprobs_topk = cfg.entropy_topk if cfg.entropy_mode == "topk_proxy" else 0
+        sp.full_entropy = cfg.entropy_mode == "full"
+        return n, rule, sp
+
+    def _unpad_prompts(self, prompts: DataProto) -> list[list[int]]:
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        return [row[m].tolist() for row, m in zip(ids, mask)]
+
+    def _next_id(self, prompt_idx: int) -> str:
+        k = self._ids[prompt_idx]
+        self._ids[prompt_idx] += 1
+        return f"p{prompt_idx}-t{k}"
+
+    def _new_traj(self, prompt_idx: int, ids: list[int], prefix: str = "") -> Trajectory:
+        return Trajectory(traj_id=prefix + self._next_id(prompt_idx), prompt_idx=prompt_idx, prompt_ids=ids)
+
+    # ---------------------------------------------------------------------------------------
+    def _run_round(self, active: list[Trajectory], sampling: SamplingParams, rng: np.random.Generator,
+                   round_idx: int, max_new: int | None = None, tools: bool = True) -> None:
+        """One generation round for `active`, then their tool calls (steps 2–3)."""
+        cfg = self.cfg
+        requests = [GenRequest(request_id=t.traj_id, prompt_ids=t.prompt_ids + t.response_ids,
+                               max_new_tokens=min(max_new or cfg.response_length, cfg.response_length - len(t.response_ids)),
+                               stop=self.stop_strings if tools else [], sampling=sampling, parent_id=t.parent_id,
+                               seed=int(rng.integers(2**31 - 1)))
+                    for t in active]
+        outputs = self.engine.generate(requests)
+        calls: list[tuple[Trajectory, str, str]] = []
+        for t, out in zip(active, outputs):
+            self._stats["rollout/tokens_generated"] += len(out.token_ids)
+            t.append(list(out.token_ids), 1, list(out.logprobs))
+            h = branching.round_entropy(out, cfg.entropy_mode, self.vocab_size, cfg.entropy_window)
+            t.round_entropies.append(h)
+            t.base_entropy = h if t.base_entropy is None else t.base_entropy
+            t.delta_entropy = h - t.base_entropy
+            self._round_entropy[len(t.round_entropies) - 1].append(h)
+            room = cfg.response_length - len(t.response_ids)
+            if out.finish_reason != "stop" or not tools:
+                t.done, t.finish_reason = True, out.finish_reason
+            elif room <= 0:  # the call closed exactly at the budget: no room for a result
+                t.done, t.finish_reason = True, "length"
+            elif t.num_tool_calls >= cfg.call_limit:
+                t.append([self.eos_id], 0)  # forced, not sampled: loss mask 0
+                t.done, t.finish_reason = True, "call_limit"
+            else:
+                text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                tag, content = extract_tool_call(text, out.stop_str)
+                calls.append((t, tag, content))
+        if calls:
+            self._execute(calls)
+
+    def _execute(self, calls: list[tuple[Trajectory, str, str]]) -> None:
+        todo = [(i, tag, content) for i, (_, tag, content) in enumerate(calls) if content.strip()]
+        results = self.executor.execute_batch([(tag, content) for _, tag, content in todo]) if todo else []
+        by_call = {i: r for (i, _, _), r in zip(todo, results)}
+        for i, (t, tag, content) in enumerate(calls):
+            r = by_call.get(i)
+            text = r.text if r is not None else EMPTY_CALL_TEXT.format(tag=tag)
+            t.num_tool_calls += 1
+            t.tool_calls.append({"tag": tag, "content": content, "result": text,
+                                 "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok)})
+            ids = encode_tool_result(self.tokenizer, text)
+            room = self.cfg.response_length - len(t.response_ids)
+            t.append(ids[:room], 0)
+            if len(ids) >= room:
+                t.done, t.finish_reason = True, "length"
+
+    # ---------------------------------------------------------------------------------------
+    def _branch(self, groups: list[list[Trajectory]], rule: str, rng: np.random.Generator,
+                consecutive: list[int], round_idx: int, n: int) -> list[bool]:
+        """Step 4: draws for every active trajectory of every prompt with free slots."""
+        cfg = self.cfg
+        decide = branching.get_branch_rule(rule)
+        gained = [False] * len(groups)
+        for i, group in enumerate(groups):
+            for t in [t for t in group if not t.done]:
+                for _ in range(cfg.beam_size - 1):
+                    if len(group) >= n:
+                        break
+                    if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
+                              entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
+                        group.append(t.branch(self._next_id(i), round_idx))
+                        gained[i] = True
+                        self._stats["rollout/branches"] += 1
+        return gained
+
+    def _refill(self, group: list[Trajectory], prompt_ids: list[int], n: int) -> bool:
+        """Step 5: one fresh trajectory for a prompt with no active trajectory and fewer than n."""
+        if len(group) >= n or any(not t.done for t in group):
+            return False
+        group.append(self._new_traj(group[0].prompt_idx, prompt_ids))
+        self._stats["rollout/fresh_refills"] += 1
+        return True
+
+    def _pre_monitor(self, prompt_ids: list[list[int]], sampling: SamplingParams, rng: np.random.Generator,
+                     n: int) -> list[int]:
+        """AEPO step 1: m_i from H_root (a short generation) and H̄ (one full tool-using rollout)."""
+        cfg = self.cfg
+        short = [self._new_traj(i, ids, prefix="pm-root-") for i, ids in enumerate(prompt_ids)]
+        self._run_round(short, sampling, rng, 0, max_new=cfg.initial_entropy_tokens, tools=False)
+        full = [self._new_traj(i, ids, prefix="pm-full-") for i, ids in enumerate(prompt_ids)]
+        round_idx = 0
+        while any(not t.done for t in full) and (cfg.max_rounds is None or round_idx < cfg.max_rounds):
+            self._run_round([t for t in full if not t.done], sampling, rng, round_idx)
+            round_idx += 1
+        budgets = []
+        for root, traj in zip(short, full):
+            h_mean = float(np.mean(traj.round_entropies)) if traj.round_entropies else root.round_entropies[0]
+            budgets.append(branching.dynamic_initial_rollouts(n, root.round_entropies[0], h_mean, cfg.dynamic_rollout_beta))
+        self._stats["rollout/pre_monitor_tool_calls"] = sum(t.num_tool_calls for t in full)
+        self._stats["rollout/initial_rollouts_mean"] = float(np.mean(budgets))
+        self._round_entropy.clear()  # pre-monitoring rounds are not the training rollout's
+        self.engine.release()
+        return budgets
+
+    # ---------------------------------------------------------------------------------------
+    def _to_dataproto(self, prompts: DataProto, groups: list[list[Trajectory]]) -> DataProto:
+        """Step 6: n trajectories per prompt, grouped by prompt (matches `repeat(n, interleave=True)`)."""
+        R = self.cfg.response_length
+        trajs = [t for g in groups for t in g]
+        rows = torch.tensor([t.prompt_idx for t in trajs], dtype=torch.long)
+        prompt_tokens = prompts.batch["input_ids"][rows]
+        prompt_mask = prompts.batch["attention_mask"][rows]
+        responses = torch.full((len(trajs), R), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((len(trajs), R), dtype=torch.long)
+        resp_attn = torch.zeros((len(trajs), R), dtype=prompt_mask.dtype)
+        logprobs = torch.zeros((len(trajs), R), dtype=torch.float32)
+        for k, t in enumerate(trajs):
+            L = len(t.response_ids)
+            responses[k, :L] = torch.tensor(t.response_ids, dtype=torch.long)
+            response_mask[k, :L] = torch.tensor(t.loss_mask, dtype=torch.long)
+            resp_attn[k, :L] = 1
+            logprobs[k, :L] = torch.tensor(t.logprobs, dtype=torch.float32) * response_mask[k, :L]
+        attention_mask = torch.cat([prompt_mask, resp_attn], dim=-1)
+        tensors = {
+            "prompts": prompt_tokens, "responses": responses,
+            "input_ids": torch.cat([prompt_tokens, responses], dim=-1),
+            "attention_mask": attention_mask, "position_ids": compute_position_id_with_mask(attention_mask),
+            "response_mask": response_mask, "rollout_log_probs": logprobs,
+        }
+        non_tensors = {
+            "traj_id": as_object_array([t.traj_id for t in trajs]),
+            "parent_id": as_object_array([t.parent_id for t in trajs]),
+            "branch_round": np.array([t.branch_round for t in trajs], dtype=object),
+            "branch_pos": np.array([t.branch_pos for t in trajs], dtype=object),
+            "num_tool_calls": np.array([t.num_tool_calls for t in trajs], dtype=object),
+            "round_entropies": as_object_array([list(t.round_entropies) for t in trajs]),
+            "tool_calls": as_object_array([list(t.tool_calls) for t in trajs]),
+            "finish_reason": as_object_array([t.finish_reason for t in trajs]),
+        }
+        if "uid" in prompts.non_tensor_batch:
+            non_tensors["uid"] = as_object_array([prompts.non_tensor_batch["uid"][t.prompt_idx] for t in trajs])
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors,
+                                   meta_info={"metrics": self._metrics(trajs)})
+
+    def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
+        m = dict(self._stats)
+        in_traj = sum(sum(t.loss_mask) for t in trajs)
+        m["rollout/tokens_in_trajectories"] = float(in_traj)
+        m["rollout/generated_per_traj_token"] = m.get("rollout/tokens_generated", 0.0) / max(1, in_traj)
+        m["tools/calls_per_traj"] = float(np.mean([t.num_tool_calls for t in trajs])) if trajs else 0.0
+        for k, hs in sorted(self._round_entropy.items()):
+            m[f"rollout/entropy/round_{k}"] = float(np.mean(hs))
+        first = self._round_entropy.get(0, [])
+        later = [h for k, hs in self._round_entropy.items() if k > 0 for h in hs]
+        if first:
+            m["rollout/entropy/before_tools"] = float(np.mean(first))
+        if later:
+            m["rollout/entropy/after_tools"] = float(np.mean(later))
+        if self.executor is not None and hasattr(self.executor, "metrics"):
+            m.update({k: float(v) for k, v in self.executor.metrics().items() if isinstance(v, (int, float))})
+        return m

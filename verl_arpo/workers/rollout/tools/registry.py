@@ -1,0 +1,355 @@
+"""Build tools from the seeds' YAML and run batches of tool calls: ``ToolExecutor``.
+
+Config layout (the seeds' ``tools:`` section, accepted unchanged; the ``tools:`` wrapper is
+optional)::
+
+    tools:
+      call_limit: 3        max tool calls per trajectory (enforced by the rollout, exposed here)
+      max_workers: 64      calls running at once
+      timeout: 120         wall seconds per call, retries included
+      retry_count: 3       extra attempts after an exception or an empty result
+      verbose_logging: true
+      fail_on_error: false raise when a tool cannot be built (else: warn and skip it)
+      tool_instances:
+        python: {class_path: verl.workers.rollout.tools.python_tool.PythonTool, params: {...}}
+
+Class paths under ``verl.workers.rollout.tools.`` and ``verl.workers.agent.tools.`` (the reference
+repos) resolve to ours, so the seeds' YAML and launch-script overrides load as they are.
+
+Differences from the reference executor, and why:
+- ``timeout`` is real. The reference waited on a thread pool future and, on timeout, left the hung
+  call holding a pool thread; enough hangs and every later call queued forever. Here each call
+  runs on its own daemon thread, at most ``max_workers`` at once, and a call past its deadline is
+  answered with a timeout message and its thread is *abandoned* (no longer counted against
+  ``max_workers``; reported as ``tools/abandoned_threads``). Python cannot kill a thread, so a tool
+  that truly never returns leaks one thread per hang -- the PythonTool kills its own subprocess
+  before the executor's deadline, so it never does.
+- Retries (with exponential backoff, inside the same deadline) happen on an exception or an empty
+  result; a ``ToolError(retryable=False)`` is not retried (the tool already retried, or the input
+  is at fault). Every failure becomes readable ``Error: ...`` text; nothing raises into the rollout.
+- Metrics per tool: calls, successes, failures, timeouts, retries, time avg/max, plus the tools'
+  own counters (search cache hits/misses), as ``tools/<tag>/<name>``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, uses_run
+
+logger = logging.getLogger(__name__)
+
+_ALIASES = {
+    "verl.workers.rollout.tools.": "verl_arpo.workers.rollout.tools.",
+    "verl.workers.agent.tools.": "verl_arpo.workers.rollout.tools.",
+}
+
+
+@dataclass
+class ToolsConfig:
+    """The ``tools`` section of the rollout config."""
+
+    call_limit: int = 3
+    """maximum tool calls per trajectory (the rollout enforces it)"""
+    max_workers: int = 64
+    """tool calls running at the same time"""
+    timeout: float = 120.0
+    """wall-clock seconds for one call, retries and backoff included"""
+    retry_count: int = 3
+    """extra attempts after an exception or an empty result"""
+    retry_backoff: float = 0.5
+    """seconds before the first retry; doubles each time (ours, not in the seeds)"""
+    verbose_logging: bool = False
+    """log every call (tag, seconds, ok)"""
+    fail_on_error: bool = False
+    """raise when a tool fails to load instead of skipping it with a warning"""
+    tool_instances: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    """name -> {class_path, params}"""
+
+
+def _to_plain(cfg: Any) -> Dict[str, Any]:
+    if cfg is None:
+        return {}
+    if isinstance(cfg, (str, Path)):
+        import yaml
+
+        return yaml.safe_load(Path(cfg).read_text(encoding="utf-8")) or {}
+    if type(cfg).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise TypeError(f"tool config must be a dict, OmegaConf node or YAML path, got {type(cfg).__name__}")
+
+
+def load_tools_config(cfg: Union[ToolsConfig, Mapping, str, Path, Any]) -> ToolsConfig:
+    """ToolsConfig from a dict / OmegaConf node / YAML path, with or without a ``tools:`` wrapper."""
+    if isinstance(cfg, ToolsConfig):
+        return cfg
+    raw = _to_plain(cfg)
+    if "tools" in raw and isinstance(raw["tools"], Mapping) and "tool_instances" not in raw:
+        raw = _to_plain(raw["tools"])
+    known = {f.name for f in dataclasses.fields(ToolsConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        logger.warning("tools config: ignoring unknown keys %s", unknown)
+    out = ToolsConfig(**{k: v for k, v in raw.items() if k in known})
+    out.tool_instances = {str(k): dict(_to_plain(v)) for k, v in (out.tool_instances or {}).items()}
+    return out
+
+
+def resolve_class(class_path: str) -> type:
+    """Import ``module.Class``; reference (verl) tool paths map to ours."""
+    for old, new in _ALIASES.items():
+        if class_path.startswith(old):
+            class_path = new + class_path[len(old):]
+            break
+    module_name, _, cls_name = class_path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"class_path must be module.Class, got {class_path!r}")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def build_tools(cfg: Union[ToolsConfig, Mapping, str, Path, Any]) -> Dict[str, BaseTool]:
+    """``{trigger_tag: tool}``; a tool that fails to load is skipped unless ``fail_on_error``."""
+    config = load_tools_config(cfg)
+    tools: Dict[str, BaseTool] = {}
+    for name, spec in config.tool_instances.items():
+        try:
+            cls = resolve_class(str(spec["class_path"]))
+            tool = cls(**(_to_plain(spec.get("params")) or {}))
+            tag = getattr(tool, "trigger_tag", None) or name
+            if tag in tools:
+                raise ValueError(f"trigger tag <{tag}> is already used by {tools[tag]!r}")
+        except Exception as exc:
+            if config.fail_on_error:
+                raise
+            logger.warning("tool %r not loaded (%s: %s); continuing without it", name,
+                           type(exc).__name__, exc)
+            continue
+        tools[tag] = tool
+    return tools
+
+
+@dataclass
+class ToolResult:
+    """Outcome of one call: the text for ``<result>``, whether the tool succeeded, wall seconds."""
+
+    text: str
+    ok: bool
+    seconds: float
+    tag: str = ""
+    attempts: int = 0
+    timed_out: bool = False
+
+    def __iter__(self):  # `text, ok, seconds = result`
+        return iter((self.text, self.ok, self.seconds))
+
+
+_STATS = ("calls", "successes", "failures", "timeouts", "retries", "time_total", "time_max")
+
+
+class ToolExecutor:
+    """Runs ``[(tag, content), ...]`` concurrently with real timeouts, retries and metrics."""
+
+    def __init__(self, tools: Mapping[str, BaseTool], max_workers: int = 64, timeout: float = 120.0,
+                 retry_count: int = 3, retry_backoff: float = 0.5, verbose_logging: bool = False,
+                 call_limit: int = 3):
+        self.tools = dict(tools)
+        self.max_workers = max(1, int(max_workers))
+        self.timeout = float(timeout)
+        self.retry_count = max(0, int(retry_count))
+        self.retry_backoff = float(retry_backoff)
+        self.verbose_logging = verbose_logging
+        self.call_limit = int(call_limit)
+        self._lock = threading.Lock()
+        self._stats: Dict[str, Dict[str, float]] = {}
+        self._abandoned: List[threading.Thread] = []
+
+    @classmethod
+    def from_config(cls, cfg: Union[ToolsConfig, Mapping, str, Path, Any]) -> "ToolExecutor":
+        config = load_tools_config(cfg)
+        return cls(build_tools(config), max_workers=config.max_workers, timeout=config.timeout,
+                   retry_count=config.retry_count, retry_backoff=config.retry_backoff,
+                   verbose_logging=config.verbose_logging, call_limit=config.call_limit)
+
+    # --------------------------------------------------------------------------- properties
+    @property
+    def trigger_tags(self) -> List[str]:
+        return list(self.tools)
+
+    @property
+    def stop_strings(self) -> List[str]:
+        """What the engine stops generation on: ``</python>``, ``</search>``, ..."""
+        return [f"</{tag}>" for tag in self.tools]
+
+    # ------------------------------------------------------------------------------ running
+    def execute(self, tag: str, content: str) -> ToolResult:
+        return self.execute_batch([(tag, content)])[0]
+
+    def execute_batch(self, calls: Sequence[Tuple[str, str]]) -> List[ToolResult]:
+        """One result per call, in order. Never raises because of a tool."""
+        results: List[Optional[ToolResult]] = [None] * len(calls)
+        finished: Dict[int, ToolResult] = {}
+        started: Dict[int, Tuple[float, threading.Thread]] = {}
+        wake = threading.Condition()
+        nxt = 0
+        while True:
+            with wake:
+                while nxt < len(calls) and len(started) < self.max_workers:
+                    i, (tag, content) = nxt, calls[nxt]
+                    nxt += 1
+                    early = self._precheck(tag, content)
+                    if early is not None:
+                        results[i] = early
+                        continue
+                    th = threading.Thread(target=self._worker, args=(i, tag, content, finished, wake),
+                                          name=f"tool-{tag}-{i}", daemon=True)
+                    started[i] = (time.monotonic(), th)
+                    th.start()
+                if not started:
+                    if nxt >= len(calls):
+                        break
+                    continue
+                first_deadline = min(t0 for t0, _ in started.values()) + self.timeout
+                if not any(i in finished for i in started):
+                    wake.wait(timeout=max(0.0, first_deadline - time.monotonic()))
+                now = time.monotonic()
+                for i in list(started):
+                    t0, th = started[i]
+                    if i in finished:
+                        results[i] = finished.pop(i)
+                    elif now >= t0 + self.timeout:
+                        tag = calls[i][0]
+                        results[i] = ToolResult(
+                            f"Error: {tag} tool timed out after {self.timeout:g} seconds.", False,
+                            now - t0, tag, timed_out=True)
+                        self._abandon(th)
+                    else:
+                        continue
+                    del started[i]
+        for r in results:
+            self._record(r)
+        return results  # type: ignore[return-value]
+
+    def _precheck(self, tag: str, content: str) -> Optional[ToolResult]:
+        if tag not in self.tools:
+            avail = ", ".join(self.tools) or "none"
+            return ToolResult(f"Error: unknown tool '{tag}'. Available tools: {avail}.", False, 0.0, tag)
+        if not content or not content.strip():
+            return ToolResult(f"Error: empty <{tag}> call: put the input between <{tag}> and </{tag}>.",
+                              False, 0.0, tag)
+        return None
+
+    def _worker(self, i: int, tag: str, content: str, finished: Dict[int, ToolResult],
+                wake: threading.Condition) -> None:
+        t0 = time.monotonic()
+        try:
+            result = self._call_with_retries(tag, content, t0 + self.timeout)
+        except BaseException as exc:  # noqa: BLE001 - a worker must always report back
+            result = ToolResult(error_text(tag, exc), False, 0.0, tag)
+        result.seconds = time.monotonic() - t0
+        with wake:
+            finished[i] = result
+            wake.notify()
+
+    def _call_with_retries(self, tag: str, content: str, deadline: float) -> ToolResult:
+        tool = self.tools[tag]
+        call = tool.run if uses_run(tool) else tool.execute
+        problem, attempts = "", 0
+        for attempt in range(self.retry_count + 1):
+            if attempt:
+                delay = self.retry_backoff * 2 ** (attempt - 1)
+                if time.monotonic() + delay >= deadline:
+                    break  # no budget left for another try
+                time.sleep(delay)
+            attempts += 1
+            try:
+                text = call(content)
+            except ToolError as exc:
+                problem = error_text(tag, exc)
+                if not exc.retryable:
+                    break
+                continue
+            except Exception as exc:  # noqa: BLE001 - turned into text for the model
+                problem = error_text(tag, exc)
+                logger.debug("tool %s raised", tag, exc_info=True)
+                continue
+            if text is not None and str(text).strip():
+                return ToolResult(str(text), True, 0.0, tag, attempts)
+            problem = f"Error: {tag} tool returned no output."
+        if attempts > 1:
+            problem += f" (after {attempts} attempts)"
+        return ToolResult(problem, False, 0.0, tag, attempts)
+
+    def _abandon(self, th: threading.Thread) -> None:
+        with self._lock:
+            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [th]
+            n = len(self._abandoned)
+        logger.warning("tool thread %s timed out and was abandoned (%d still running)", th.name, n)
+
+    # ------------------------------------------------------------------------------ metrics
+    def _record(self, r: ToolResult) -> None:
+        tag = r.tag if r.tag in self.tools else "unknown"  # model-chosen tags must not mint metric names
+        with self._lock:
+            s = self._stats.setdefault(tag, dict.fromkeys(_STATS, 0.0))
+            s["calls"] += 1
+            s["successes" if r.ok else "failures"] += 1
+            s["timeouts"] += int(r.timed_out)
+            s["retries"] += max(0, r.attempts - 1)
+            s["time_total"] += r.seconds
+            s["time_max"] = max(s["time_max"], r.seconds)
+        if self.verbose_logging:
+            logger.info("tool %s: ok=%s %.3fs attempts=%d", r.tag, r.ok, r.seconds, r.attempts)
+
+    def metrics(self, reset: bool = False) -> Dict[str, float]:
+        """``tools/<tag>/{calls,successes,failures,timeouts,retries,time_avg,time_max}``, totals
+        as ``tools/<name>``, and each tool's own counters. ``reset`` starts a new window."""
+        out: Dict[str, float] = {}
+        with self._lock:
+            stats = {k: dict(v) for k, v in self._stats.items()}
+            if reset:
+                self._stats.clear()
+            alive = sum(t.is_alive() for t in self._abandoned)
+        total = dict.fromkeys(_STATS, 0.0)
+        for tag, s in stats.items():
+            for k in ("calls", "successes", "failures", "timeouts", "retries"):
+                out[f"tools/{tag}/{k}"] = s[k]
+                total[k] += s[k]
+            out[f"tools/{tag}/time_avg"] = s["time_total"] / s["calls"] if s["calls"] else 0.0
+            out[f"tools/{tag}/time_max"] = s["time_max"]
+            total["time_total"] += s["time_total"]
+            total["time_max"] = max(total["time_max"], s["time_max"])
+        for k in ("calls", "successes", "failures", "timeouts", "retries"):
+            out[f"tools/{k}"] = total[k]
+        out["tools/time_avg"] = total["time_total"] / total["calls"] if total["calls"] else 0.0
+        out["tools/time_max"] = total["time_max"]
+        out["tools/abandoned_threads"] = alive
+        for tag, tool in self.tools.items():
+            try:
+                own = tool.metrics() if hasattr(tool, "metrics") else {}
+                out.update({f"tools/{tag}/{k}": v for k, v in own.items()})
+            except Exception as exc:  # noqa: BLE001 - metrics must not break a training step
+                logger.warning("tool %s metrics failed: %s", tag, exc)
+        return out
+
+    def close(self) -> None:
+        for tool in self.tools.values():
+            try:
+                if hasattr(tool, "close"):
+                    tool.close()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("closing tool %r failed: %s", tool, exc)
+
+    def __enter__(self) -> "ToolExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
