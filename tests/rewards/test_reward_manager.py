@@ -1,5 +1,6 @@
 """NaiveRewardManager: score placement, extra info, parallel == serial, custom functions."""
-import textwrap
+
+import os
 
 import numpy as np
 import pytest
@@ -184,7 +185,6 @@ def test_parallel_equals_serial(tiny_tokenizer, tmp_path):
         manager.close()
     ser = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=0)(data, return_dict=True)
     assert torch.equal(par["reward_tensor"], ser["reward_tensor"])
-    import os
     assert os.getpid() not in par["reward_extra_info"]["pid"]
     assert set(ser["reward_extra_info"]["pid"]) == {os.getpid()}
 

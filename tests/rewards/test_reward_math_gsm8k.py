@@ -112,3 +112,27 @@ def test_gsm8k_format_score_and_reasons():
     assert gsm8k.compute_score("openai/gsm8k", "five", "5")["reason"] == "no_answer"
     with pytest.raises(ValueError, match="strict"):
         gsm8k.compute_score("openai/gsm8k", "#### 5", "5", method="loose")
+
+
+def test_math_verify_timeouts_keep_the_callers_alarm():
+    import signal
+
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    try:
+        signal.alarm(100)
+        assert math_score.compute_score("math", "\\boxed{0.5}", "\\frac{1}{2}")["reason"] == "equivalent"
+        remaining = signal.alarm(0)
+        assert 95 <= remaining <= 100  # math-verify alone would have left 0 (cancelled)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_math_in_a_thread_runs_without_signal_timeouts():
+    import threading
+
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(math_score.compute_score("math", "\\boxed{0.5}", "1/2")))
+    thread.start()
+    thread.join()
+    assert out["score"] == 1.0 and out["reason"] == "equivalent"

@@ -194,9 +194,19 @@ def test_aepo_consecutive_branch_penalty(tiny_tokenizer):
     out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
     br = np.array(out.non_tensor_batch["branch_round"], dtype=int).reshape(P, 4)
     parents = np.array(out.non_tensor_batch["parent_id"], dtype=object).reshape(P, 4)
+    ids = np.array(out.non_tensor_batch["traj_id"], dtype=object).reshape(P, 4)
     saw_unpenalised_round1 = False
     for i in range(P):
-        rounds = {int(r) for r, par in zip(br[i], parents[i]) if par is not None and r >= 0}
+        parent_of = dict(zip(ids[i], parents[i]))
+
+        def root(t):
+            while parent_of.get(t) is not None:
+                t = parent_of[t]
+            return t
+        # branch_round is the parent's own round index; for the first trajectory's lineage (started
+        # in loop round 0) that is also the loop round in which the prompt gained the branch
+        rounds = {int(r) for t, r, par in zip(ids[i], br[i], parents[i])
+                  if par is not None and root(t) == f"p{i}-t0"}
         assert not ({0, 1} <= rounds or {1, 2} <= rounds), rounds
         saw_unpenalised_round1 |= 1 in rounds
     assert saw_unpenalised_round1

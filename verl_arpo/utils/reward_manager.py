@@ -172,7 +172,7 @@ class NaiveRewardManager:
         return state
 
     # -- scoring -----------------------------------------------------------------------------------
-    def score_items(self, items: List[Tuple[int, Any, str, Any, Any]]) -> List[Any]:
+    def score_all(self, items: List[Tuple[int, Any, str, Any, Any]]) -> List[Any]:
         """Score (index, data_source, solution_str, ground_truth, extra_info) tuples, in order."""
         if not self._can_parallelize(len(items)):
             return score_items(self.compute_score, items)
@@ -232,7 +232,7 @@ class NaiveRewardManager:
         extra = nt.get("extra_info")
         items = [(i, nt[self.reward_fn_key][i], texts[i], self._ground_truth(data, i),
                   None if extra is None else extra[i]) for i in range(n)]
-        results = self.score_items(items)
+        results = self.score_all(items)
 
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         per_row: List[Dict[str, Any]] = []

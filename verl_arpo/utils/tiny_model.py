@@ -32,18 +32,11 @@ CHAT_TEMPLATE = (
 )
 
 _CORPUS = [
-    "You are a helpful assistant that can solve the given question step by step with the help of "
-    "the wikipedia search tool and python interpreter tool. Given a question, you need to first "
-    "think about the reasoning process in the mind and then provide the answer. During thinking, "
-    "you can invoke the wikipedia search tool to search and python interpreter tool to calculate "
-    "the math problem for fact information about specific topics if needed. The reasoning process "
-    "and answer are enclosed within <think> </think> and <answer> </answer> tags respectively, and "
-    "the search query and result are enclosed within <search> </search> and <result> </result> "
-    "tags respectively. For example, <think> This is the reasoning process. </think> <search> "
-    "search query here </search> <result> search result here </result> <think> This is the "
-    "reasoning process. </think> <python> python code here </python> <result> python "
-    "interpreter result here </result> <think> This is the reasoning process. </think> <answer> "
-    "The final answer is \\boxed{answer here} </answer>.",
+    # Our own wording of the agent protocol (tags as in the reference's data format).
+    "Answer the question. Reason inside <think> </think>. To look something up, write a query "
+    "inside <search> </search>; to compute, write Python code inside <python> </python>. Each "
+    "call is answered inside <result> </result>. Put the final answer inside <answer> </answer> "
+    "as \\boxed{...}. You may call tools several times before answering.",
     "<think> I need to compute 1234 * 5678 with python. </think> <python>print(1234 * 5678)"
     "</python> <result>\n7006652\n</result> <answer> \\boxed{7006652} </answer>",
     "<think> Who founded the town of Veltmoor? Let me search. </think> <search> Veltmoor founder "

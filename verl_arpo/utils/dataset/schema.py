@@ -104,7 +104,8 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def normalize_row(raw: Dict[str, Any], prompt_key: str = "prompt") -> Tuple[Optional[Dict[str, Any]], Optional[RowError]]:
+def normalize_row(raw: Dict[str, Any],
+                  prompt_key: str = "prompt") -> Tuple[Optional[Dict[str, Any]], Optional[RowError]]:
     """One parquet row (as a dict) -> (normalised row, None) or (None, (field, reason))."""
     messages, err = _messages(raw.get(prompt_key), prompt_key)
     if err:
@@ -125,7 +126,9 @@ def normalize_row(raw: Dict[str, Any], prompt_key: str = "prompt") -> Tuple[Opti
     if not isinstance(data_source, str) or not data_source.strip():
         return None, ("data_source", "missing" if data_source in (None, "") else "not a string")
     extra_info = raw.get("extra_info")
-    extra_info = dict(extra_info) if isinstance(extra_info, dict) else ({} if extra_info is None else {"value": extra_info})
+    if not isinstance(extra_info, dict):
+        extra_info = {} if extra_info is None else {"value": extra_info}
+    extra_info = dict(extra_info)
     if raw.get("tools") is not None:
         extra_info.setdefault("tools", _plain(raw["tools"]))
     return {

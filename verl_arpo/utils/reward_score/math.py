@@ -16,10 +16,11 @@ Safety: math-verify (sympy) can take unbounded time on pathological input. We (a
 longer than `MAX_ANSWER_CHARS` and ground truths longer than `MAX_GOLD_CHARS`, (b) pass
 math-verify's own timeouts (`parsing_timeout`, `timeout_seconds`), which use `signal.alarm` and so
 only work in a process's main thread; in any other thread they are switched off (math-verify
-raises otherwise) and only the length cap protects us. The reward manager scores in the main thread
-of its worker processes, where the timeouts apply. A timeout counts as "not equivalent".
-Any exception inside math-verify is caught and scores 0.0: this function never raises on model
-output.
+raises otherwise) and only the length cap protects us. The reward manager scores in the main
+thread of its worker processes, where the timeouts apply. A caller's own pending `signal.alarm`
+(pytest-timeout, a watchdog) would be cancelled by math-verify; we re-arm it afterwards.
+A timeout counts as "not equivalent". Any exception inside math-verify is caught and scores 0.0:
+this function never raises on model output.
 
 Departure from the reference: the seed documents describe its math reward as an exact match of
 normalised strings (so `0.5` vs `\\frac{1}{2}` would score 0); ALGORITHMS.md §6 asks for
@@ -27,7 +28,11 @@ symbolic equivalence, which is what we do.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import contextlib
+import math as _pymath
+import signal
+import time
+from typing import Any, Dict, Iterator, Optional
 
 from ._text import ground_truths, in_main_thread, last_boxed, sanitize_text
 
@@ -56,16 +61,32 @@ def _wrap_gold(gold: str) -> str:
     return gold if ("\\boxed" in gold or "$" in gold) else "\\boxed{" + gold + "}"
 
 
+@contextlib.contextmanager
+def _keep_outer_alarm() -> Iterator[None]:
+    """math-verify's timeout cancels any pending `signal.alarm` of the caller (e.g. pytest-timeout).
+
+    Take the caller's remaining alarm out before and re-arm it (minus the time spent) after.
+    """
+    pending = signal.alarm(0)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        if pending:
+            signal.alarm(max(1, pending - _pymath.ceil(time.monotonic() - start)))
+
+
 def is_equiv(answer: str, gold: str, timeout_seconds: Optional[int] = DEFAULT_TIMEOUT_SECONDS) -> bool:
     """math-verify equivalence of a boxed answer and a ground truth (raises on library errors)."""
     from math_verify import parse, verify  # heavy import (sympy), done lazily
 
     timeout = timeout_seconds if (timeout_seconds and in_main_thread()) else None
-    gold_parsed = parse(_wrap_gold(gold), parsing_timeout=timeout)
-    pred_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    with _keep_outer_alarm() if timeout else contextlib.nullcontext():
+        gold_parsed = parse(_wrap_gold(gold), parsing_timeout=timeout)
+        pred_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
 
 
 def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None,

@@ -127,10 +127,11 @@ class Trajectory:
         self.loss_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
-    def branch(self, new_id: str, round_idx: int) -> "Trajectory":
+    def branch(self, new_id: str) -> "Trajectory":
+        """A copy that diverges from the next token; branch_round is the parent's own round index."""
         child = copy.deepcopy(self)
         child.traj_id, child.parent_id = new_id, self.traj_id
-        child.branch_round, child.branch_pos = round_idx, len(self.response_ids)
+        child.branch_round, child.branch_pos = len(self.round_entropies) - 1, len(self.response_ids)
         child.base_entropy, child.delta_entropy = None, 0.0  # a branch records its own H0
         return child
 
@@ -184,7 +185,7 @@ class AgentLoop:
                 if not t.done:
                     t.done, t.finish_reason = True, "max_rounds"
             while len(g) < n:
-                g.append(g[-1].branch(self._next_id(g[-1].prompt_idx), round_idx))
+                g.append(g[-1].branch(self._next_id(g[-1].prompt_idx)))
                 self._stats["rollout/duplicates"] += 1
         self.engine.release()
         self._stats["timing_s/rollout"] = time.time() - t0
@@ -218,7 +219,9 @@ class AgentLoop:
         return f"p{prompt_idx}-t{k}"
 
     def _new_traj(self, prompt_idx: int, ids: list[int], prefix: str = "") -> Trajectory:
-        return Trajectory(traj_id=prefix + self._next_id(prompt_idx), prompt_idx=prompt_idx, prompt_ids=ids)
+        # pre-monitoring trajectories (prefix) are named apart so real ones always start at t0
+        traj_id = f"{prefix}p{prompt_idx}" if prefix else self._next_id(prompt_idx)
+        return Trajectory(traj_id=traj_id, prompt_idx=prompt_idx, prompt_ids=ids)
 
     # ---------------------------------------------------------------------------------------
     def _run_round(self, active: list[Trajectory], sampling: SamplingParams, rng: np.random.Generator,
@@ -285,7 +288,7 @@ class AgentLoop:
                         break
                     if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
                               entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
-                        group.append(t.branch(self._next_id(i), round_idx))
+                        group.append(t.branch(self._next_id(i)))
                         gained[i] = True
                         self._stats["rollout/branches"] += 1
         return gained

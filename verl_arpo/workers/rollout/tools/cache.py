@@ -50,8 +50,10 @@ _STOP = object()
 
 
 def db_path_for(cache_file: Union[str, Path]) -> Tuple[Path, Optional[Path]]:
-    """(sqlite path, reference JSON to import or None) for a configured ``cache_file``."""
-    p = Path(cache_file).expanduser()
+    """(sqlite path, reference JSON to import or None) for a configured ``cache_file``.
+
+    Made absolute now, so a later chdir of the process cannot split the cache in two."""
+    p = Path(os.path.abspath(Path(cache_file).expanduser()))
     if p.suffix.lower() == ".json":
         return p.with_suffix(".sqlite"), p
     return p, None

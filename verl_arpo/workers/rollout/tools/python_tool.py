@@ -82,14 +82,16 @@ _STDERR_CAP = 64 * 1024
 _TRACEBACK_LINES = 25
 
 # Runs inside the sandbox before the user's code: it lowers its own rlimits (hard = soft, so the
-# code cannot raise them back), reads the code from stdin (no argv/quoting limits), registers the
-# source so tracebacks show the model's lines, and prints tracebacks without its own frame.
+# code cannot raise them back), reads the code from stdin (no argv/quoting limits), and on error
+# prints a traceback without its own frame, with the model's source lines (via linecache).
 # REPL echo (the reference's "expressions become prints"): the last top-level statement, if it is a
 # bare expression other than print(...), is passed to sys.displayhook -- the hook the interactive
 # interpreter uses (repr, nothing for None). It is done on the AST, so the source and line numbers
 # in tracebacks stay the model's, and hostile code is only ever parsed inside the sandbox.
+# Start-up cost matters (one interpreter per call): the AST comes from compile(PyCF_ONLY_AST) and the
+# C module _ast instead of `import ast` (~15 ms), and traceback/linecache load only on error.
 _LAUNCHER = r"""
-import ast, linecache, resource, sys, traceback
+import _ast, resource, sys
 _a = [int(x) for x in sys.argv[1:7]]
 for _r, _v in ((resource.RLIMIT_AS, _a[0]), (resource.RLIMIT_NPROC, _a[2]),
                (resource.RLIMIT_FSIZE, _a[3]), (resource.RLIMIT_NOFILE, _a[4])):
@@ -102,30 +104,37 @@ _src = sys.stdin.buffer.read().decode("utf-8", "replace")
 sys.stdin.close()
 sys.stdin = open("/dev/null")
 sys.argv = ["<code>"]
-linecache.cache["<code>"] = (len(_src), None, _src.splitlines(True), "<code>")
+
+
+def _show(e, tb):
+    import linecache, traceback
+    linecache.cache["<code>"] = (len(_src), None, _src.splitlines(True), "<code>")
+    sys.stderr.write("".join(traceback.format_exception(type(e), e, tb) if tb is not None
+                             else traceback.format_exception_only(type(e), e)))
+    sys.stderr.flush()
+    sys.exit(1)
+
+
 try:
-    _tree = ast.parse(_src, "<code>")
+    _tree = compile(_src, "<code>", "exec", _ast.PyCF_ONLY_AST)
     _last = _tree.body[-1] if _tree.body else None
-    if _a[5] and isinstance(_last, ast.Expr) and not (
-            isinstance(_last.value, ast.Call) and isinstance(_last.value.func, ast.Name)
+    if _a[5] and isinstance(_last, _ast.Expr) and not (
+            isinstance(_last.value, _ast.Call) and isinstance(_last.value.func, _ast.Name)
             and _last.value.func.id == "print"):
-        _call = ast.Call(ast.Name("__repl_echo__", ast.Load()), [_last.value], [])
-        _tree.body[-1] = ast.Expr(ast.copy_location(_call, _last.value))
-        ast.fix_missing_locations(_tree)
+        _pos = {k: getattr(_last.value, k) for k in ("lineno", "col_offset", "end_lineno", "end_col_offset")}
+        _call = _ast.Call(_ast.Name("__repl_echo__", _ast.Load(), **_pos), [_last.value], [], **_pos)
+        _tree.body[-1] = _ast.Expr(_call, **_pos)
     _code = compile(_tree, "<code>", "exec")
 except (SyntaxError, ValueError, RecursionError, MemoryError) as _e:
-    sys.stderr.write("".join(traceback.format_exception_only(type(_e), _e)))
-    sys.exit(1)
+    _show(_e, None)
 _g = {"__name__": "__main__", "__builtins__": __builtins__, "__repl_echo__": sys.displayhook}
-del _a, _r, _v, _src, _tree, _last
 try:
     exec(_code, _g)
 except SystemExit:
     raise
 except BaseException as _e:
-    sys.stderr.write("".join(traceback.format_exception(type(_e), _e, _e.__traceback__.tb_next)))
-    sys.stderr.flush()
-    sys.exit(1)
+    _g.clear()  # free what the code held (e.g. after a MemoryError) before importing traceback
+    _show(_e, _e.__traceback__.tb_next)
 """
 
 

