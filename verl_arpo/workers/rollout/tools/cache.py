@@ -6,7 +6,8 @@ write, loses entries when several trainer/eval processes rewrite the file concur
 writer wins), and a process killed mid-write leaves a truncated, unparsable file.
 
 Here the cache is one SQLite table in WAL mode:
-- each write is its own small transaction (a B-tree insert, independent of the cache size);
+- each write is its own small transaction: a B-tree insert whose cost grows with log(size) only
+  (~0.1-0.2 ms at 1k-100k entries in benchmarks/bench_tools.py, vs ~8 ms-0.8 s for the JSON);
 - readers never block writers and writers of other processes queue on SQLite's lock
   (busy_timeout), so concurrent processes all keep their entries;
 - a writer SIGKILLed at any point loses only its uncommitted transaction; the file stays valid

@@ -19,8 +19,8 @@ Threat model (bubblewrap mode, the default when ``bwrap`` runs here)
 
 What is covered:
 - Network: ``--unshare-all`` gives an empty network namespace (no loopback peers, no DNS).
-- Filesystem: only /usr (+ the interpreter's own prefix) is visible, read-only; the work dir is a
-  private size-limited tmpfs that disappears with the call. /root, /home, /work, /etc are absent.
+- Filesystem: only /usr (+ the interpreter's own prefix) is visible, read-only; the work dir /tmp
+  and /dev/shm are private size-limited tmpfs that disappear with the call. /root, /home, /work, /etc are absent.
 - Secrets: the child gets a fixed minimal environment, never the host's; other processes are
   invisible (own PID namespace, own /proc).
 - Privileges: when the host runs as root, the sandbox runs as uid/gid 65534 with no capabilities.
@@ -32,8 +32,9 @@ What is covered:
 What is not covered:
 - Kernel exploits and side channels: there is no seccomp filter and no VM boundary.
 - CPU share: two busy sandboxes compete with training for the cores until their timeouts.
-- /dev/shm and in-memory data count against RAM but are only bounded by memory_mb per process,
-  not per sandbox; a process tree can hold memory_mb x max_processes until the timeout.
+- Memory is bounded per process (memory_mb), not per sandbox: a process tree can hold
+  memory_mb x max_processes, plus the two tmpfs (/tmp, /dev/shm: tmpfs_mb each), until the timeout.
+  There is no cgroup limit (none is available to an unprivileged launcher here).
 - Determinism: time, randomness and /proc/cpuinfo are the host's.
 
 Without bubblewrap (``sandbox: none``, or ``auto`` on a machine where bwrap is missing or fails) the
@@ -184,7 +185,7 @@ def bwrap_available() -> bool:
                 uid = _drop_to()
                 try:
                     r = subprocess.run(argv, env=dict(_CHILD_ENV), capture_output=True, timeout=20,
-                                       user=uid, group=uid, extra_groups=[] if uid else None)
+                                       user=uid, group=uid, extra_groups=[] if uid is not None else None)
                     ok = r.returncode == 0
                     if not ok:
                         logger.warning("bubblewrap probe failed: %s", r.stderr.decode(errors="replace")[:300])
@@ -203,7 +204,9 @@ def _bwrap_system_args(tmpfs_bytes: int, ro_paths: Sequence[str]) -> List[str]:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    args += ["--dev", "/dev", "--proc", "/proc", "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
+    # /dev/shm is part of --dev's unbounded tmpfs: give it its own size-limited one, like /tmp
+    args += ["--dev", "/dev", "--size", str(tmpfs_bytes), "--tmpfs", "/dev/shm", "--proc", "/proc",
+             "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
     for path in ro_paths:  # after the /tmp tmpfs, which would otherwise hide an env under /tmp
         args += ["--ro-bind", path, path]
     return args + ["--chdir", "/tmp"]

@@ -164,7 +164,7 @@ class BingSearchTool(BaseTool):
             try:
                 return resp.json()
             except ValueError:
-                raise ToolError("search failed: malformed JSON in the search response", retryable=False)
+                raise ToolError("search failed: malformed JSON in the search response", retryable=False) from None
         # the executor must not multiply our own bounded retries
         raise ToolError(self._redact(f"search failed after {self.http_retries + 1} attempts: {last}"),
                         retryable=False)

@@ -1,0 +1,339 @@
+"""The driver loop: `RayPPOTrainer.fit()` orchestrates the worker groups through one step at a time.
+
+    prompts ─▶ rollout (agent loop: tools, ARPO/AEPO branching) ─▶ rewards (score on the last valid
+    token) ─▶ old log-probs (+ entropy) ─▶ [ref log-probs, only if a KL term has weight] ─▶
+    [values, if GAE] ─▶ advantages (registered estimator) ─▶ [critic update] ─▶ actor update ─▶
+    weight sync to the engines ─▶ metrics, rollout dump, validation, checkpoint
+
+The driver holds no model: it moves DataProtos between worker groups (Ray actors) and computes the
+cheap parts itself (rewards, advantages, metrics). Checkpoints are written into a staging folder
+and published atomically, so a run killed at any moment resumes from the last complete step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from verl_arpo.protocol import DataProto, as_object_array
+from verl_arpo.trainer.ppo import core_algos
+from verl_arpo.trainer.ppo.metrics import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    timed,
+    validation_metrics,
+)
+from verl_arpo.utils.torch_functional import masked_mean
+
+logger = logging.getLogger(__name__)
+
+# rollout metrics that add up over data-parallel ranks; every other one is averaged
+_SUMMED = ("branches", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
+           "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses")
+
+
+def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """Lists (one entry per rank or per micro-batch) → one number: summed for counts, else the mean."""
+    out = {}
+    for k, v in metrics.items():
+        vals = np.asarray(v if isinstance(v, (list, tuple, np.ndarray)) else [v], dtype=float)
+        if vals.size == 0:
+            continue
+        out[k] = float(vals.sum() if k.endswith(_SUMMED) else vals.mean())
+    if "rollout/tokens_generated" in out and out.get("rollout/tokens_in_trajectories"):
+        out["rollout/generated_per_traj_token"] = out["rollout/tokens_generated"] / out["rollout/tokens_in_trajectories"]
+    return out
+
+
+def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
+                      norm_adv_by_std_in_grpo: bool = True, config: Any = None) -> DataProto:
+    """Fill `advantages` and `returns` with the registered estimator named by algorithm.adv_estimator."""
+    fn = core_algos.get_adv_estimator_fn(adv_estimator)
+    b = batch.batch
+    if adv_estimator == "gae":
+        adv, ret = fn(b["token_level_rewards"], b["values"], b["response_mask"], gamma=gamma, lam=lam)
+    elif adv_estimator == "grpo":
+        adv, ret = fn(b["token_level_rewards"], b["response_mask"], batch.non_tensor_batch["uid"],
+                      norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    elif adv_estimator == "rloo":
+        adv, ret = fn(b["token_level_rewards"], b["response_mask"], batch.non_tensor_batch["uid"])
+    else:  # estimators registered by users take the verl keyword set
+        adv, ret = fn(token_level_rewards=b["token_level_rewards"], response_mask=b["response_mask"],
+                      index=batch.non_tensor_batch.get("uid"), config=config, gamma=gamma)
+    b["advantages"], b["returns"] = adv, ret
+    return batch
+
+
+class RayPPOTrainer:
+    """Owns the worker groups, the data order, tracking and checkpoints; `fit()` runs training."""
+
+    def __init__(self, config, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
+        self.config, self.tokenizer = config, tokenizer
+        self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
+        algo, actor = config.algorithm, config.actor_rollout_ref.actor
+        self.use_critic = algo.adv_estimator == "gae"
+        self.use_kl_in_reward = bool(algo.get("use_kl_in_reward", False))
+        use_kl_loss = bool(actor.get("use_kl_loss", False)) and float(actor.get("kl_loss_coef", 0.0)) != 0.0
+        # [fix] the reference paid for a reference forward even with every KL weight at 0
+        self.use_reference_policy = use_kl_loss or self.use_kl_in_reward
+        self.kl_ctrl = core_algos.get_kl_controller(algo.kl_ctrl) if self.use_kl_in_reward else None
+        self.n = int(config.actor_rollout_ref.rollout.n)
+        self.batch_size = int(config.data.train_batch_size)
+        self.steps_per_epoch = len(train_dataset) // self.batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"data.train_batch_size={self.batch_size} is larger than the training set "
+                             f"({len(train_dataset)} rows): lower it")
+        total = config.trainer.get("total_training_steps", None)
+        self.total_training_steps = int(total) if total else int(config.trainer.total_epochs) * self.steps_per_epoch
+        self.n_workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+        self.global_steps = 0
+        self.last_checkpoint: str | None = None
+
+    # ------------------------------------------------------------------ workers
+    def init_workers(self):
+        from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+        cfg = self.config
+        use_gpu = cfg.trainer.get("device", "auto") == "cuda" or (
+            cfg.trainer.get("device", "auto") == "auto" and torch.cuda.is_available())
+        self.resource_pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
+                                             use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1)
+        actor_cfg = OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True)
+        self.actor_rollout_wg = RayWorkerGroup(
+            self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=actor_cfg, role="actor_rollout_ref"),
+            name_prefix="actor_rollout_ref")
+        self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.get("seed", 0)))
+        if self.use_critic:
+            critic_cfg = OmegaConf.to_container(cfg.critic, resolve=True)
+            self.critic_wg = RayWorkerGroup(self.resource_pool, RayClassWithInitArgs(CriticWorker, config=critic_cfg),
+                                            name_prefix="critic")
+            self.critic_wg.init_model(self.total_training_steps)
+
+    # ------------------------------------------------------------------ data order (resumable)
+    def _batch_indices(self, step: int) -> np.ndarray:
+        """Row indices of training step `step` (1-based): epoch = (step−1) // steps_per_epoch, order
+        = a permutation seeded by (data.seed, epoch), so a resumed run sees exactly the same batches."""
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        n = len(self.train_dataset)
+        order = (np.random.default_rng([int(self.config.data.get("seed", 1)), epoch]).permutation(n)
+                 if self.config.data.get("shuffle", True) else np.arange(n))
+        return order[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def _collate(self, dataset, indices) -> DataProto:
+        from verl_arpo.utils.dataset.rl_dataset import collate_fn
+
+        return DataProto.from_single_dict(collate_fn([dataset[int(i)] for i in indices]))
+
+    # ------------------------------------------------------------------ one step
+    def _rollout(self, batch: DataProto, step: int, validate: bool = False) -> tuple[DataProto, dict]:
+        batch.non_tensor_batch["uid"] = as_object_array([f"{'v' if validate else 's'}{step}-{i}" for i in range(len(batch))])
+        gen = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=["uid"])
+        gen.non_tensor_batch["uid"] = batch.non_tensor_batch["uid"] = gen.non_tensor_batch["uid"]
+        gen.meta_info = {"global_steps": step, "validate": validate}
+        out = self.actor_rollout_wg.generate_sequences(gen)
+        n = len(out) // len(batch)
+        merged = batch.repeat(n, interleave=True).union(out)
+        return merged, out.meta_info.get("metrics", {})
+
+    def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
+        """Reorder trajectories so every data-parallel rank gets a similar number of tokens."""
+        from verl_arpo.utils.seqlen_balancing import balance_batch_indices
+
+        seqlens = batch.batch["attention_mask"].sum(-1).tolist()
+        order = balance_batch_indices(seqlens, self.n_workers)
+        batch.reorder(torch.as_tensor(np.asarray(order), dtype=torch.long))
+
+    def _score(self, batch: DataProto, reward_fn) -> dict:
+        result = reward_fn(batch, return_dict=True)
+        batch.batch["token_level_scores"] = result["reward_tensor"]
+        return result.get("reward_extra_info", {})
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, timing, metrics = self.config, {}, {}
+        with timed("step", timing):
+            batch = self._collate(self.train_dataset, self._batch_indices(step))
+            with timed("gen", timing):
+                batch, gen_metrics = self._rollout(batch, step)
+            metrics.update(reduce_metrics(gen_metrics))
+            batch.meta_info["global_steps"] = step
+            if cfg.trainer.get("balance_batch", True):
+                self._balance_batch(batch, metrics)
+            with timed("reward", timing):
+                extra = self._score(batch, self.reward_fn)
+            with timed("old_log_prob", timing):
+                lp = self.actor_rollout_wg.compute_log_prob(batch)
+                entropy = lp.batch.pop("entropys")
+                metrics["actor/entropy"] = masked_mean(entropy, batch.batch["response_mask"]).item()
+                batch = batch.union(lp)
+            if self.use_reference_policy:
+                with timed("ref", timing):
+                    batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+            if self.use_critic:
+                with timed("values", timing):
+                    batch = batch.union(self.critic_wg.compute_values(batch))
+            with timed("adv", timing):
+                b = batch.batch
+                if self.use_kl_in_reward:
+                    b["token_level_rewards"], kl = core_algos.apply_kl_penalty_to_rewards(
+                        b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"], b["response_mask"],
+                        self.kl_ctrl.value, cfg.algorithm.get("kl_penalty", "kl"))
+                    metrics.update({"actor/reward_kl_penalty": kl.item(), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+                    self.kl_ctrl.update(kl.item(), n_steps=self.batch_size)
+                else:
+                    b["token_level_rewards"] = b["token_level_scores"]
+                compute_advantage(batch, cfg.algorithm.adv_estimator, float(cfg.algorithm.gamma), float(cfg.algorithm.lam),
+                                  bool(cfg.algorithm.get("norm_adv_by_std_in_grpo", True)), cfg.algorithm)
+            if self.use_critic:
+                with timed("update_critic", timing):
+                    metrics.update(reduce_metrics(self.critic_wg.update_critic(batch).meta_info["metrics"]))
+            if int(cfg.trainer.get("critic_warmup", 0)) < step:
+                with timed("update_actor", timing):
+                    metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch).meta_info["metrics"]))
+                with timed("weight_sync", timing):
+                    self.actor_rollout_wg.sync_rollout_weights()
+            for key, vals in (extra or {}).items():
+                nums = [float(v) for v in vals if isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)]
+                if nums and key != "score":
+                    metrics[f"reward/{key}/mean"] = float(np.mean(nums))
+            if cfg.trainer.get("rollout_data_dir"):
+                with timed("dump", timing):
+                    from verl_arpo.utils.rollout_dump import dump_rollout
+
+                    dump_rollout(batch, self.tokenizer, step, cfg.trainer.rollout_data_dir)
+        metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(compute_timing_metrics(timing))
+        metrics.update(compute_throughput_metrics(batch, timing, self.n_workers))
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, step: int) -> dict[str, float]:
+        if self.val_dataset is None or self.val_reward_fn is None:
+            return {}
+        n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))
+        size = self.config.data.get("val_batch_size", None) or len(self.val_dataset)
+        sources, uids, scores = [], [], []
+        for start in range(0, len(self.val_dataset), int(size)):
+            batch = self._collate(self.val_dataset, range(start, min(start + int(size), len(self.val_dataset))))
+            batch.non_tensor_batch.setdefault("data_source", as_object_array(["unknown"] * len(batch)))
+            batch, _ = self._rollout(batch, step * 100000 + start, validate=True)
+            self._score(batch, self.val_reward_fn)
+            sources += list(batch.non_tensor_batch["data_source"])
+            uids += list(batch.non_tensor_batch["uid"])
+            scores += batch.batch["token_level_scores"].sum(-1).tolist()
+        return validation_metrics(sources, uids, scores, n=n_val)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_root(self) -> str:
+        return os.path.abspath(self.config.trainer.default_local_dir)
+
+    def save_checkpoint(self, step: int) -> str:
+        from verl_arpo.utils.checkpoint import begin_checkpoint, cleanup_old_checkpoints, publish_checkpoint
+
+        root = self._ckpt_root()
+        staging = begin_checkpoint(root, step)
+        self.actor_rollout_wg.save_checkpoint(os.path.join(staging, "actor"), step)
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(os.path.join(staging, "critic"), step)
+        torch.save({"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None},
+                   os.path.join(staging, "data.pt"))
+        path = publish_checkpoint(root, step, staging)
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
+        cleanup_old_checkpoints(root, keep)
+        self.last_checkpoint = str(path)
+        return str(path)
+
+    def load_checkpoint(self) -> int:
+        """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
+        from verl_arpo.utils.checkpoint import find_latest_ckpt_path
+
+        mode = self.config.trainer.get("resume_mode", "auto")
+        if mode == "disable":
+            return 0
+        if mode == "resume_path":
+            path = self.config.trainer.get("resume_from_path", None)
+            if not path or not os.path.isdir(path):
+                raise ValueError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a "
+                                 f"global_step_N folder, got {path!r}")
+        elif mode == "auto":
+            path = find_latest_ckpt_path(self._ckpt_root())
+            if path is None:
+                return 0
+        else:
+            raise ValueError(f"unknown trainer.resume_mode={mode!r}; accepted: auto, disable, resume_path")
+        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"))
+        if self.use_critic:
+            self.critic_wg.load_checkpoint(os.path.join(path, "critic"))
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = state["kl_coef"]
+        self.last_checkpoint = str(path)
+        print(f"[verl_arpo] resumed from {path} (step {state['global_step']})", flush=True)
+        return int(state["global_step"])
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        from verl_arpo.trainer.config import mask_secrets
+        from verl_arpo.utils.tracking import Tracking
+
+        cfg = self.config.trainer
+        tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
+                           default_backend=list(cfg.logger), config=mask_secrets(self.config),
+                           log_dir=os.path.join(self._ckpt_root(), "logs"))
+        tracker.set_total(self.total_training_steps)
+        start = self.load_checkpoint()
+        last_metrics: dict[str, float] = {}
+        if start == 0 and cfg.get("val_before_train", True) and self.val_reward_fn is not None:
+            last_metrics = self._guard(self.validate, 0)
+            tracker.log(last_metrics, step=0)
+        save_freq, test_freq = int(cfg.get("save_freq", -1)), int(cfg.get("test_freq", -1))
+        for step in range(start + 1, self.total_training_steps + 1):
+            self.global_steps = step
+            metrics = self._guard(self.train_step, step)
+            last = step == self.total_training_steps
+            if test_freq > 0 and (step % test_freq == 0 or last):
+                metrics.update(self._guard(self.validate, step))
+            if save_freq > 0 and (step % save_freq == 0 or last):
+                self._guard(self.save_checkpoint, step)
+            metrics["training/global_step"] = step
+            metrics["training/epoch"] = (step - 1) // self.steps_per_epoch
+            tracker.log(metrics, step=step)
+            last_metrics = metrics
+        tracker.finish()
+        return last_metrics
+
+    def _guard(self, fn, *args):
+        """Run a step; a dead worker becomes an error naming it and the checkpoint to resume from."""
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            where = self.last_checkpoint or "none yet (restart from scratch)"
+            raise RuntimeError(f"{e}\n[verl_arpo] training stopped at step {self.global_steps}; last complete "
+                               f"checkpoint: {where}; restart with trainer.resume_mode=auto to continue") from e
+
+
+def run_ppo(config) -> dict[str, float]:
+    """Build datasets, reward managers and the trainer from a validated config, then train."""
+    from transformers import AutoTokenizer
+
+    from verl_arpo.trainer.config import normalize_config
+    from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
+    from verl_arpo.utils.reward_manager import load_reward_manager
+
+    config = normalize_config(config)
+    model_path = config.actor_rollout_ref.model.path
+    tokenizer = AutoTokenizer.from_pretrained(config.data.get("tokenizer", None) or model_path)
+    train_ds = RLHFDataset(config.data.train_files, tokenizer, config.data)
+    val_ds = RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.get("val_files") else None
+    reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
+    val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
+    trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn)
+    trainer.init_workers()
+    return trainer.fit()
