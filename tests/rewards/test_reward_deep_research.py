@@ -74,11 +74,11 @@ def test_last_brace_matched_box_inside_answer_is_the_answer():
     assert out["f1"] == 1.0
 
 
-def test_latex_wrappers_are_not_unwrapped_like_the_reference():
-    # "\text{Paris}" -> punctuation dropped without a space -> the single token "textparis"
+def test_latex_wrappers_are_unwrapped_unlike_the_reference():
+    # the reference dropped the backslash and braces -> the single token "textparis" -> 0; we unwrap
     out = score(THINK + "<answer>\\boxed{\\text{Paris}}</answer>", gt="Paris")
-    assert out["score"] == 0.0
-    assert score(THINK + "<answer>\\boxed{\\text{Paris}}</answer>", gt="textparis")["score"] == 1.0
+    assert out["score"] == 1.0
+    assert score(THINK + "<answer>\\boxed{\\text{Paris}}</answer>", gt="textparis")["score"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -164,3 +164,11 @@ def test_tool_bonus_requires_both_tools_and_positive_f1():
 def test_empty_ground_truth():
     out = score(THINK + ANS, gt=[])
     assert out["score"] == 0.0 and out["reason"] == "no_ground_truth"
+
+
+def test_latex_text_commands_are_unwrapped():
+    # the reference normalised \text{Paris} to "textparis" (score 0); we unwrap it
+    from verl_arpo.utils.reward_score.deep_research import f1_score
+    assert f1_score(r"\text{Paris}", "Paris") == 1.0
+    assert f1_score(r"\textbf{\mathrm{New York}}", "new york") == 1.0
+    assert f1_score(r"\text{Paris} and Lyon", "Paris") == 2 * (1 / 3) * 1 / (1 / 3 + 1)

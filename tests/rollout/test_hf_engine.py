@@ -283,3 +283,16 @@ def test_build_engine_and_cache_support(tiny_model_dir, tiny_tokenizer):
                                            num_key_value_heads=1, use_sliding_window=True,
                                            sliding_window=4, max_window_layers=0))
     assert _why_no_kv_reuse(sliding) is not None
+
+
+def test_kv_store_cap_and_shared_module_mode(model, tiny_tokenizer, prompts):
+    eng = engine(model, tiny_tokenizer, max_cached_tokens=40)
+    model.train()   # a module shared with the trainer: generate runs in eval, then restores
+    try:
+        eng.generate([req(str(i), p, 6) for i, p in enumerate(prompts)])
+        assert model.training
+    finally:
+        model.eval()
+    kept = [len(kv.tokens) for kv in eng._store.values()]
+    assert eng.cached_tokens() == sum(kept) and (sum(kept) <= 40 or len(kept) == 1)
+    assert len(kept) < len(prompts)

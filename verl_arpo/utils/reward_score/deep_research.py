@@ -47,9 +47,26 @@ _PUNCT_TABLE = str.maketrans("", "", string.punctuation)
 _SPECIAL = ("yes", "no", "noanswer")
 
 
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
+
+
+def unwrap_latex_text(text: str) -> str:
+    """`\\text{Paris}` → `Paris` (also textbf/textit/mathrm/mathbf/operatorname, nested).
+
+    Departure from the reference, which normalised `\\boxed{\\text{Paris}}` to "textparis" and so
+    scored a correct, conventionally written answer 0."""
+    for _ in range(8):
+        new = _LATEX_TEXT.sub(r"\1", text)
+        if new == text:
+            break
+        text = new
+    return text
+
+
 def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lowercase, drop punctuation, drop articles, collapse whitespace."""
-    text = text.lower().translate(_PUNCT_TABLE)
+    """SQuAD normalisation: lowercase, drop punctuation, drop articles, collapse whitespace
+    (after unwrapping LaTeX text commands)."""
+    text = unwrap_latex_text(text).lower().translate(_PUNCT_TABLE)
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())
 

@@ -147,12 +147,18 @@ class HFEngine(InferenceEngine):
         max_batch_size: rows decoded together; larger requests lists run in groups.
         kv_cache: keep each trajectory's KV between calls (False = re-encode every round).
         max_prefill_tokens: cap on padded tokens per prefill forward (memory bound).
+        max_cached_tokens: cap on tokens kept in the KV store; the least recently stored
+            trajectories are evicted first (None = no cap; the rollout loop calls `release`).
         seed: seed of the generator used by requests without their own seed.
+
+    A module shared with the trainer (no copy) changes under the engine at every optimizer step:
+    call `release()` after each step (there is then no need for `update_weights`).
     """
 
     def __init__(self, model_or_path, tokenizer=None, dtype: str = "float32", device=None,
                  attn_implementation: str | None = None, max_batch_size: int = 64,
-                 kv_cache: bool = True, max_prefill_tokens: int = 16384, seed: int = 0):
+                 kv_cache: bool = True, max_prefill_tokens: int = 16384,
+                 max_cached_tokens: int | None = None, seed: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -171,8 +177,10 @@ class HFEngine(InferenceEngine):
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model)
         self.max_batch_size = max(1, int(max_batch_size))
         self.max_prefill_tokens = int(max_prefill_tokens)
+        self.max_cached_tokens = max_cached_tokens
         self._rng = torch.Generator().manual_seed(seed)
-        self._store: dict[str, _KV] = {}
+        self._store: dict[str, _KV] = {}   # insertion order = recency (for eviction)
+        self._n_cached = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.reuse_kv = bool(kv_cache)
         if kv_cache and (why := _why_no_kv_reuse(self.model)):
@@ -190,14 +198,15 @@ class HFEngine(InferenceEngine):
 
     def cached_tokens(self) -> int:
         """Tokens currently held in the per-request KV store (branches sharing storage count twice)."""
-        return sum(len(kv.tokens) for kv in self._store.values())
+        return self._n_cached
 
     def release(self, request_ids: Iterable[str] | None = None) -> None:
         if request_ids is None:
             self._store.clear()
-            return
-        for rid in request_ids:
-            self._store.pop(rid, None)
+        else:
+            for rid in request_ids:
+                self._store.pop(rid, None)
+        self._n_cached = sum(len(kv.tokens) for kv in self._store.values())
 
     def sleep(self) -> None:
         """Drop the KV store; on an accelerator also move the weights to CPU."""
@@ -231,6 +240,14 @@ class HFEngine(InferenceEngine):
 
     @torch.no_grad()
     def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        was_training = self.model.training   # a module shared with the trainer may be in train()
+        self.model.eval()
+        try:
+            return self._generate(requests)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, requests: list[GenRequest]) -> list[GenOutput]:
         # Look everything up before anything is stored, so a parent continuing in this same call
         # cannot change what its branch starts from.
         rows = [self._make_row(r) for r in requests]
@@ -294,8 +311,8 @@ class HFEngine(InferenceEngine):
                 for i in done:
                     r = batch.rows[i]
                     if self.reuse_kv:  # the last sampled token was never fed: not in the cache
-                        self._store[r.req.request_id] = self._extract(
-                            batch, i, r.req.prompt_ids + r.tokens[:-1])
+                        self._keep(r.req.request_id,
+                                   self._extract(batch, i, r.req.prompt_ids + r.tokens[:-1]))
                 keep = [i for i in range(len(batch.rows)) if batch.rows[i].finish is None]
                 if not keep:
                     return
@@ -304,6 +321,15 @@ class HFEngine(InferenceEngine):
             logits = self._forward(batch, tokens[:, None], torch.ones_like(tokens)[:, None],
                                    batch.next_pos[:, None])
             batch.next_pos = batch.next_pos + 1
+
+    def _keep(self, rid: str, kv: _KV) -> None:
+        """Store a finished row's KV (most recent last); evict the oldest beyond the cap."""
+        old = self._store.pop(rid, None)
+        self._n_cached += len(kv.tokens) - (len(old.tokens) if old is not None else 0)
+        self._store[rid] = kv
+        while self.max_cached_tokens is not None and self._n_cached > self.max_cached_tokens \
+                and len(self._store) > 1:
+            self._n_cached -= len(self._store.pop(next(iter(self._store))).tokens)
 
     def _prefill_chunks(self, rows: list[_Row]) -> list[list[_Row]]:
         """Group rows by suffix length so padding stays small (one chunk without KV reuse: the

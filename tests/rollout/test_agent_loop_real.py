@@ -1,0 +1,94 @@
+"""The agent loop with a real (tiny) model, the HF engine and real tools (sandboxed Python, BM25).
+
+The random tiny model is first over-fitted for a few seconds on two tool-using trajectories, so
+that sampling really emits `<python>`/`<search>` calls: the loop then runs the sandbox and the
+search engine, appends results, and continues from the persistent KV cache. We check the output
+contract and that a plain re-forward of each trajectory reproduces `rollout_log_probs` on every
+sampled token — across tool-result boundaries, branches and cache reuse.
+"""
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from verl_arpo.protocol import DataProto, as_object_array
+from verl_arpo.utils.torch_functional import logprobs_from_logits
+from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
+from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
+from verl_arpo.workers.rollout.tools.local_search_tool import LocalSearchTool
+from verl_arpo.workers.rollout.tools.python_tool import PythonTool
+from verl_arpo.workers.rollout.tools.registry import ToolExecutor
+
+PROMPT = "<|im_start|>user\nWhat is 12 * 34?<|im_end|>\n<|im_start|>assistant\n"
+TRAJ = [
+    "<think> compute </think> <python>print(12 * 34)</python>",
+    "<think> look up </think> <search>Vrorkmere founder</search>",
+]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
+    """The tiny model, over-fitted so that after the prompt it writes one of the TRAJ calls."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tok = tiny_tokenizer
+    texts = [PROMPT + t for t in TRAJ] + [PROMPT + TRAJ[0] + " <result>\n408\n</result> <answer> \\boxed{408} </answer>"]
+    batch = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    width = max(map(len, batch))
+    ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
+    mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
+    labels = ids.masked_fill(mask == 0, -100)
+    for _ in range(60):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = tmp_path_factory.mktemp("tool_model")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _prompts(tok, k):
+    ids = torch.tensor([tok.encode(PROMPT, add_special_tokens=False)] * k)
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                               non_tensors={"uid": as_object_array([f"u{i}" for i in range(k)])},
+                               meta_info={"global_steps": 1})
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_real_model_real_tools(tool_model, tiny_tokenizer, kv_cache):
+    tok = tiny_tokenizer
+    engine = HFEngine(tool_model, tok, dtype="float32", kv_cache=kv_cache, seed=0)
+    executor = ToolExecutor({"python": PythonTool(timeout=10), "search": LocalSearchTool(max_results=1, result_length=120)},
+                            max_workers=4, timeout=30, retry_count=0, call_limit=2)
+    cfg = RolloutConfig(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
+                        response_length=96, temperature=1.0, call_limit=2, seed=5)
+    out = AgentLoop(engine, tok, executor, cfg).generate_sequences(_prompts(tok, 2))
+    nt, b = out.non_tensor_batch, out.batch
+    assert len(out) == 8 and list(nt["uid"]) == ["u0"] * 4 + ["u1"] * 4
+    calls = [c for cs in nt["tool_calls"] for c in cs]
+    assert calls, "the over-fitted model should call tools"
+    py = [c for c in calls if c["tag"] == "python" and c["content"] == "print(12 * 34)"]
+    assert py and all(c["result"].strip() == "408" for c in py)  # the sandbox really ran it
+    srch = [c for c in calls if c["tag"] == "search"]
+    for c in srch:  # BM25 answered (or the sampled query was empty / matched nothing)
+        assert c["result"].startswith(("Page 1:", "No search results", "Error: the <search> call was empty")), c
+
+    # contract: masks, attention and a re-forward of the log-probs of every sampled token
+    model = AutoModelForCausalLM.from_pretrained(tool_model).eval()
+    R = b["responses"].shape[-1]
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits
+    lp = logprobs_from_logits(logits[:, -R - 1:-1], b["responses"])
+    mask = b["response_mask"].bool()
+    assert torch.all(b["attention_mask"][:, -R:][mask] == 1)
+    assert torch.allclose(lp[mask], b["rollout_log_probs"][mask], atol=2e-4), (lp[mask] - b["rollout_log_probs"][mask]).abs().max()
+    for k in range(len(out)):
+        L = int(b["attention_mask"][k, -R:].sum())
+        text = tok.decode(b["responses"][k, :L][b["response_mask"][k, :L] == 0].tolist())
+        assert text.count("<result>") == len(nt["tool_calls"][k])
+    assert out.meta_info["metrics"]["rollout/tokens_generated"] > 0
+    assert np.all(np.asarray(nt["num_tool_calls"], dtype=int) <= 2)

@@ -1,0 +1,339 @@
+"""DataParallelPPOActor against independent references: per-row HF forwards and a per-token loss loop.
+
+The reference never pads: each row's valid tokens go through the model alone, and the loss is
+written token by token, so it shares no code path with the actor's batching, packing or scaling.
+"""
+import copy
+import math
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verl_arpo.protocol import DataProto
+from verl_arpo.trainer.ppo.core_algos import get_policy_loss_fn
+from verl_arpo.utils.torch_functional import compute_position_id_with_mask
+from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
+
+P, R = 6, 8
+
+
+def load_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def make_batch(vocab, B=6, seed=0, prompt_lens=None, resp_lens=None):
+    """Left-padded prompts, right-padded responses, a tool-result hole in the loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = prompt_lens or [int(x) for x in torch.randint(1, P + 1, (B,), generator=g)]
+    resp_lens = resp_lens or [int(x) for x in torch.randint(2, R + 1, (B,), generator=g)]
+    ids = torch.randint(3, vocab, (B, P + R), generator=g)
+    attn = torch.zeros(B, P + R, dtype=torch.long)
+    for b in range(B):
+        attn[b, P - prompt_lens[b]:P + resp_lens[b]] = 1
+    ids = ids * attn  # pad id 0
+    resp_mask = attn[:, P:].clone()
+    resp_mask[0, 1] = 0  # a tool-result token inside the response
+    adv = (torch.randn(B, 1, generator=g) + 0.2 * torch.randn(B, R, generator=g)) * resp_mask
+    # near-uniform random model: log p ≈ −log V; the noise puts ratios on both sides of the clip
+    old = -math.log(vocab) + 0.25 * torch.randn(B, R, generator=g)
+    ref = old + 0.3 * torch.randn(B, R, generator=g)
+    return DataProto.from_dict(
+        tensors=dict(input_ids=ids, attention_mask=attn, position_ids=compute_position_id_with_mask(attn),
+                     responses=ids[:, P:], response_mask=resp_mask, advantages=adv, old_log_probs=old,
+                     ref_log_prob=ref),
+        meta_info={"temperature": 1.0})
+
+
+def per_row_outputs(model, data, temperature=1.0):
+    """Per row, unpadded forward: log p and entropy of each real response token (dict (b,t)→...)."""
+    out = {}
+    attn = data.batch["attention_mask"]
+    for b in range(attn.shape[0]):
+        ids = data.batch["input_ids"][b][attn[b].bool()]
+        n_resp = int(attn[b, P:].sum())
+        logits = model(input_ids=ids[None]).logits[0] / temperature
+        start = len(ids) - n_resp
+        for t in range(n_resp):
+            logp = F.log_softmax(logits[start + t - 1], dim=-1)
+            out[(b, t)] = (logp[ids[start + t]], -(logp.exp() * logp).sum())
+    return out
+
+
+def reference_objective(model, data, cfg):
+    """The mini-batch objective, token by token (dual-clip PPO + entropy bonus + KL, AEPO advantage)."""
+    eps, c = cfg.get("clip_ratio", 0.2), cfg.get("clip_ratio_c", 3.0)
+    rows = per_row_outputs(model, data)
+    m = data.batch["response_mask"]
+    adv = data.batch["advantages"].clone()
+    if cfg.get("enable_entropy_balanced_advantage"):
+        hs = torch.stack([rows[k][1].detach() for k in sorted(rows) if m[k]])
+        mean, std = hs.mean(), hs.std()
+        for k in rows:
+            adv[k] = adv[k] * (1 + cfg["entropy_advantage_alpha"] * (rows[k][1].detach() - mean) / std)
+    terms = {}
+    for (b, t), (lp, h) in rows.items():
+        if not m[b, t]:
+            continue
+        a, old = adv[b, t], data.batch["old_log_probs"][b, t]
+        ratio = torch.exp(lp - old)
+        l1, l2 = -a * ratio, -a * torch.clamp(ratio, 1 - eps, 1 + eps)
+        loss = torch.maximum(l1, l2)
+        if a < 0:
+            loss = torch.minimum(loss, -a * c)
+        loss = loss - cfg.get("entropy_coeff", 0.0) * h
+        if cfg.get("use_kl_loss"):
+            d = torch.clamp(data.batch["ref_log_prob"][b, t] - lp, -20, 20)
+            loss = loss + cfg["kl_loss_coef"] * torch.clamp(torch.exp(d) - d - 1, -10, 10)
+        terms[(b, t)] = loss
+    if cfg.get("loss_agg_mode", "token-mean") == "token-mean":
+        return sum(terms.values()) / len(terms)
+    per_seq = {}
+    for (b, t), v in terms.items():
+        per_seq.setdefault(b, []).append(v)
+    return sum(sum(v) / len(v) for v in per_seq.values()) / len(per_seq)
+
+
+class RecordingOptimizer:
+    """Stands in for the optimizer: records the gradient of each step, changes nothing."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def step(self):
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def actor_grad(model, data, **cfg):
+    opt = RecordingOptimizer(model)
+    base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), ppo_epochs=1, grad_clip=None)
+    actor = DataParallelPPOActor({**base, **cfg}, model, opt)
+    metrics = actor.update_policy(data)
+    assert len(opt.grads) == 1
+    return opt.grads[0], metrics
+
+
+def reference_grad(model, data, **cfg):
+    model.zero_grad(set_to_none=True)
+    reference_objective(model, data, cfg).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_grads_close(a, b, rtol=1e-4):
+    assert a.keys() == b.keys()
+    scale = max(v.abs().max().item() for v in b.values())
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=rtol * scale, rtol=rtol, msg=k)
+
+
+# --------------------------------------------------------------------------------------------
+def test_compute_log_prob_matches_plain_forward(model):
+    data = make_batch(model.config.vocab_size, seed=1)
+    actor = DataParallelPPOActor({}, model)
+    for temperature in (1.0, 0.7):
+        rows = per_row_outputs(model, data, temperature)
+        data.meta_info.update(temperature=temperature, micro_batch_size=4, use_dynamic_bsz=False)
+        lp, ent = actor.compute_log_prob(data, calculate_entropy=True)
+        attn_r = data.batch["attention_mask"][:, P:]
+        for b in range(lp.shape[0]):
+            for t in range(R):
+                if attn_r[b, t]:
+                    assert lp[b, t].item() == pytest.approx(rows[(b, t)][0].item(), abs=1e-5)
+                    assert ent[b, t].item() == pytest.approx(rows[(b, t)][1].item(), abs=1e-5)
+                else:
+                    assert lp[b, t] == 0 and ent[b, t] == 0
+        # token-budget micro-batches come back in the input order; packing gives the same numbers
+        data.meta_info.update(use_dynamic_bsz=True, max_token_len=20)
+        lp_dyn, ent_dyn = actor.compute_log_prob(data, calculate_entropy=True)
+        torch.testing.assert_close(lp_dyn, lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent_dyn, ent, atol=1e-5, rtol=1e-5)
+        packed = DataParallelPPOActor({"use_remove_padding": True}, model)
+        lp_pk, ent_pk = packed.compute_log_prob(data, calculate_entropy=True)
+        torch.testing.assert_close(lp_pk, lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent_pk, ent, atol=1e-5, rtol=1e-5)
+    assert actor.compute_log_prob(data)[1] is None
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_update_gradient_is_the_minibatch_objective(model, mode):
+    data = make_batch(model.config.vocab_size, seed=2)
+    ref = reference_grad(model, data, loss_agg_mode=mode)
+    whole, metrics = actor_grad(model, data, loss_agg_mode=mode)
+    assert_grads_close(whole, ref)
+    one, _ = actor_grad(model, data, loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=1)
+    assert_grads_close(one, ref)
+    dyn, metrics_dyn = actor_grad(model, data, loss_agg_mode=mode, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=18)
+    assert_grads_close(dyn, ref)
+    packed, _ = actor_grad(model, data, loss_agg_mode=mode, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=25,
+                           use_remove_padding=True)
+    assert_grads_close(packed, ref)
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/grad_norm"):
+        assert metrics[key][0] == pytest.approx(metrics_dyn[key][0], rel=1e-4, abs=1e-6)
+    with torch.no_grad():
+        assert metrics["actor/pg_loss"][0] == pytest.approx(reference_objective(model, data, {"loss_agg_mode": mode}).item(),
+                                                            rel=1e-4, abs=1e-6)
+
+
+def test_entropy_bonus_and_kl_loss(model):
+    data = make_batch(model.config.vocab_size, seed=3)
+    cfg = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+    ref = reference_grad(model, data, **cfg)
+    got, metrics = actor_grad(model, data, ppo_micro_batch_size_per_gpu=2, **cfg)
+    assert_grads_close(got, ref)
+    assert {"actor/entropy", "actor/kl_loss"} <= metrics.keys() and metrics["actor/kl_coef"] == 0.1
+
+
+def test_aepo_entropy_advantage_is_computed_without_entropy_coeff(model):
+    data = make_batch(model.config.vocab_size, seed=4)
+    # A sharper copy of the model: the random one is near-uniform (H ≈ log V everywhere), whose
+    # tiny entropy spread would make z-scores amplify float32 noise.
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20)
+    cfg = dict(enable_entropy_balanced_advantage=True, entropy_advantage_alpha=0.5, entropy_coeff=0.0)
+    vanilla, _ = actor_grad(model, data)
+    aepo, metrics = actor_grad(model, data, **cfg)
+    assert "actor/entropy" in metrics
+    diff = max((aepo[k] - vanilla[k]).abs().max().item() for k in aepo)
+    assert diff > 1e-4 * max(v.abs().max().item() for v in vanilla.values())
+    assert_grads_close(aepo, reference_grad(model, data, **cfg))  # z-scores over the (single) micro-batch
+
+
+def test_entropy_balanced_clipping_flag(model):
+    data = make_batch(model.config.vocab_size, seed=5)
+    lp, _ = DataParallelPPOActor({}, model).compute_log_prob(
+        DataProto(batch=data.batch, meta_info={"temperature": 1.0, "micro_batch_size": 8}))
+    data.batch["old_log_probs"] = lp - 0.5  # r ≈ 1.65 > 1 + ε: clipped for A > 0
+    data.batch["advantages"] = data.batch["advantages"].abs()
+    actor = DataParallelPPOActor({"enable_entropy_balanced_clipping": True}, model, RecordingOptimizer(model))
+    assert actor._policy_loss_fn() is get_policy_loss_fn("entropy_balanced")
+    with pytest.raises(ValueError):
+        DataParallelPPOActor({"enable_entropy_balanced_clipping": True, "policy_loss": {"loss_mode": "x"}},
+                             model)._policy_loss_fn()
+    vanilla, _ = actor_grad(model, data)
+    balanced, _ = actor_grad(model, data, enable_entropy_balanced_clipping=True)
+    # all positive-advantage tokens are clipped: vanilla has (almost) no gradient, the AEPO loss keeps it
+    norm = lambda g: math.sqrt(sum(v.square().sum().item() for v in g.values()))  # noqa: E731
+    assert norm(balanced) > 10 * norm(vanilla)
+
+
+def test_nonfinite_grad_skips_step(model):
+    data = make_batch(model.config.vocab_size, seed=6)
+    data.batch["advantages"][0, 0] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    actor = DataParallelPPOActor({"ppo_mini_batch_size": 6, "ppo_micro_batch_size_per_gpu": 3, "grad_clip": 1.0}, model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = actor.update_policy(data)
+    assert not math.isfinite(metrics["actor/grad_norm"][0])
+    assert any("skipping" in str(w.message) for w in caught)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_minibatches_epochs_and_clip(model):
+    data = make_batch(model.config.vocab_size, B=8, seed=7)
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    actor = DataParallelPPOActor({"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 2,
+                                  "shuffle": True, "grad_clip": 1e-3}, m, opt)
+    metrics = actor.update_policy(data)
+    assert len(metrics["actor/pg_loss"]) == 4 and len(metrics["actor/grad_norm"]) == 4
+    # clipped to 1e-3: the parameters moved by at most lr * 1e-3 in norm per step
+    moved = math.sqrt(sum((a - b).square().sum().item() for a, b in zip(m.parameters(), model.parameters())))
+    assert 0 < moved <= 4 * 0.1 * 1e-3 * 1.01
+
+
+# --------------------------------------------------------------------------------------------
+# 2-process FSDP2 on gloo: DP=2 with half the mini-batch each equals one process on the whole
+# --------------------------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_rank(rank, world, port, model_dir, data_path, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.load(data_path, weights_only=False)
+        results = {}
+        for name, cfg in _fsdp_cases().items():
+            model = load_model(model_dir)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            half = len(full) // world
+            data = full.slice(rank * half, (rank + 1) * half)
+            actor = DataParallelPPOActor({**cfg, "ppo_mini_batch_size": half}, model, opt)
+            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={
+                "temperature": 1.0, "use_dynamic_bsz": True, "max_token_len": 15}))
+            metrics = actor.update_policy(data)
+            params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            results[name] = dict(params=params, metrics=metrics, lp=lp)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_cases():
+    return {
+        "token-mean-dynamic": dict(loss_agg_mode="token-mean", use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20,
+                                   grad_clip=0.05),
+        "seq-mean-fixed": dict(loss_agg_mode="seq-mean-token-mean", ppo_micro_batch_size_per_gpu=2, grad_clip=None),
+    }
+
+
+def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    # Unequal token counts on the two halves, so local normalisation would be wrong.
+    data = make_batch(load_model(tiny_model_dir).config.vocab_size, B=8, seed=8,
+                      prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])
+    data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
+    torch.save(data, data_path)
+    mp.start_processes(_fsdp_rank, args=(2, _free_port(), tiny_model_dir, str(data_path), str(out_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    dp = torch.load(out_path, weights_only=False)
+    for name, cfg in _fsdp_cases().items():
+        model = load_model(tiny_model_dir)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        single = {**cfg, "ppo_mini_batch_size": 8, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 8}
+        metrics = DataParallelPPOActor(single, model, opt).update_policy(data)
+        assert dp[name]["metrics"]["actor/grad_norm"][0] == pytest.approx(metrics["actor/grad_norm"][0], rel=1e-4)
+        max_delta = max((v - before[k]).abs().max().item() for k, v in model.state_dict().items())
+        assert max_delta > 1e-3
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(dp[name]["params"][k] - before[k], v - before[k],
+                                       atol=1e-4 * max_delta, rtol=1e-3, msg=f"{name}: {k}")
+    # the FSDP forward (rank 0's half, dynamic micro-batches) equals a plain forward
+    ref_lp, _ = DataParallelPPOActor({}, load_model(tiny_model_dir)).compute_log_prob(
+        DataProto(batch=data.batch[:4], meta_info={"temperature": 1.0, "micro_batch_size": 4}))
+    torch.testing.assert_close(dp["seq-mean-fixed"]["lp"], ref_lp, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,196 @@
+"""``Worker``: the base class of every process a worker group drives.
+
+A worker learns its place from the usual torch.distributed environment variables, which
+:class:`~verl_arpo.single_controller.ray.RayWorkerGroup` sets for each Ray actor (``torchrun`` sets
+the same ones, so a worker also runs outside Ray):
+
+``RANK``, ``WORLD_SIZE``
+    global rank and number of workers in the group;
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+    rank among the workers of the same node (= bundle index in that node's placement group);
+``MASTER_ADDR``, ``MASTER_PORT``
+    where rank 0 listens for the process-group rendezvous.
+
+How this differs from verl's ``Worker``:
+
+- The environment is the single source of truth: ``rank`` etc. are properties that read it, so a
+  subclass works even if it forgets ``super().__init__()``, and rank 0 (created before anyone knows
+  the master port) gets its address through :meth:`_set_master_addr_port`, which updates it.
+- No ``WorkerMeta`` / ``WorkerHelper`` / register-center actor: the group asks rank 0 for its node IP
+  and a free port (:meth:`_find_master_addr_port`) and passes them to the others at creation.
+- :meth:`init_process_group` is explicit (verl initialises inside the FSDP workers): the worker
+  calls it when it needs collectives; it is idempotent.
+- No NPU / ``hccl`` support and no ``CUDA_VISIBLE_DEVICES`` juggling: Ray assigns GPUs per actor.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["Worker"]
+
+_INT_VARS = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return _INT_VARS[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def node_ip_address() -> str:
+    """This node's IP as Ray sees it (the address other nodes reach it at); without Ray, the
+    address the host name resolves to, else ``127.0.0.1``."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # ray missing or not connected: fall through
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def find_free_port() -> int:
+    """A TCP port that is free on this node right now (the OS picks it; it is released at once,
+    so another process could take it before the rendezvous — unlikely, and then the group fails
+    loudly at ``init_process_group``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+class Worker:
+    """Base class for the classes a ``RayWorkerGroup`` instantiates (one instance per rank).
+
+    Subclasses decorate the methods the driver calls with
+    :func:`verl_arpo.single_controller.decorator.register`.
+    """
+
+    def __init__(self) -> None:
+        # Nothing to store: the rank information lives in the environment (see module docstring).
+        pass
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """Global rank (``RANK``, default 0)."""
+        return _env_int("RANK")
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers in the group (``WORLD_SIZE``, default 1)."""
+        return _env_int("WORLD_SIZE")
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node (``LOCAL_RANK``, default 0)."""
+        return _env_int("LOCAL_RANK")
+
+    @property
+    def local_world_size(self) -> int:
+        """Workers on this node (``LOCAL_WORLD_SIZE``, default 1)."""
+        return _env_int("LOCAL_WORLD_SIZE")
+
+    @property
+    def master_addr(self) -> str | None:
+        """Rendezvous host (``MASTER_ADDR``), ``None`` until known."""
+        return os.environ.get("MASTER_ADDR") or None
+
+    @property
+    def master_port(self) -> int | None:
+        """Rendezvous port (``MASTER_PORT``), ``None`` until known."""
+        raw = os.environ.get("MASTER_PORT")
+        return int(raw) if raw else None
+
+    def get_node_info(self) -> dict[str, Any]:
+        """Where this worker runs: ``hostname``, ``ip``, ``pid``, ``rank``, ``world_size``,
+        ``local_rank``, ``local_world_size``, ``master_addr``, ``master_port`` and, inside Ray,
+        ``node_id``, ``placement_group_id`` and ``assigned_resources`` (bundle-qualified names)."""
+        info: dict[str, Any] = {
+            "hostname": socket.gethostname(),
+            "ip": node_ip_address(),
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                info["node_id"] = ctx.get_node_id()
+                info["placement_group_id"] = ctx.get_placement_group_id()
+                info["assigned_resources"] = ctx.get_assigned_resources()
+        except Exception:  # informational only
+            pass
+        return info
+
+    # -- process group ----------------------------------------------------------------------------
+
+    def init_process_group(self, backend: str | None = None, timeout_seconds: float = 1800.0) -> None:
+        """Join the group's ``torch.distributed`` default process group (no-op if already joined).
+
+        ``backend`` defaults to ``nccl`` with CUDA, else ``gloo`` (:mod:`verl_arpo.utils.device`);
+        on GPU the local device is selected first. ``timeout_seconds`` bounds every collective, so
+        a dead peer turns into an error instead of a hang.
+        """
+        import torch.distributed as dist
+
+        from verl_arpo.utils.device import get_dist_backend, set_local_device
+
+        if dist.is_initialized():
+            return
+        if self.master_addr is None or self.master_port is None:
+            raise RuntimeError(
+                f"rank {self.rank}: MASTER_ADDR/MASTER_PORT are not set; start the worker through a "
+                "RayWorkerGroup (or torchrun) before calling init_process_group()"
+            )
+        backend = backend or get_dist_backend()
+        if backend == "nccl":
+            set_local_device(self.local_rank)
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=float(timeout_seconds)),
+        )
+
+    def destroy_process_group(self) -> None:
+        """Leave the default process group if this process joined one."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- used by RayWorkerGroup at start-up (not registered: called by name) -----------------------
+
+    def _find_master_addr_port(self) -> tuple[str, int]:
+        """This node's IP and a free port on it: rank 0 answers this to become the master."""
+        return node_ip_address(), find_free_port()
+
+    def _set_master_addr_port(self, addr: str, port: int) -> None:
+        """Record the rendezvous address (rank 0 learns it after its own creation)."""
+        os.environ["MASTER_ADDR"] = str(addr)
+        os.environ["MASTER_PORT"] = str(int(port))
+
+    def _ping(self) -> bool:
+        """Liveness probe: returns ``True``."""
+        return True

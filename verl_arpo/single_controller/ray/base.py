@@ -1,0 +1,310 @@
+"""``RayWorkerGroup``: one Ray actor per bundle of a :class:`RayResourcePool`, driven as one object.
+
+Start-up. Rank 0's actor is created first (in bundle 0 of the first placement group) and asked for
+its node IP and a free port: that is ``MASTER_ADDR`` / ``MASTER_PORT``. Then every other rank is
+created with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` in ``runtime_env["env_vars"]`` (rank 0 gets the master pair through a call), plus
+``RAY_USAGE_STATS_ENABLED=0`` and ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = the actor's whole CPU
+share (at least 1) unless ``env_vars`` overrides them. The group waits until every actor answers
+:meth:`Worker.get_node_info` and keeps the answers (``wg.node_infos``) for error messages.
+
+Calls. Every method of the worker class tagged with ``@register`` becomes a method of the group:
+``wg.name(*args)`` plans the per-rank calls (:mod:`..decorator`), submits them, waits, collects.
+
+Failures. The group waits on the per-rank results one at a time as they finish (``ray.wait``), so a
+rank whose process died is reported as soon as Ray knows, even while other ranks are still
+blocked (for example in a collective with the dead rank):
+
+- an actor death (``RayActorError``) raises :class:`WorkerGroupError` (a ``RuntimeError``) naming
+  the method, the rank, its node IP and pid; the trainer adds which checkpoint to resume from;
+- an exception raised by the method itself is re-raised unchanged (its type is kept, so callers can
+  catch ``ValueError`` etc.) with a note naming the rank, node and method;
+- with ``call_timeout`` (seconds) set, a call not finished in time raises
+  :class:`WorkerGroupTimeoutError` (both a ``RuntimeError`` and a ``TimeoutError``) naming the ranks
+  still running. The slow calls are not cancelled: kill the group if it cannot recover.
+
+Colocation. Our design holds actor, rollout and reference in one class (``ActorRolloutRefWorker``)
+in one process per slot, so no ``create_colocated_worker_cls`` is needed. Separate groups (e.g. a
+critic beside the actor) share a pool built with ``max_colocate_count >= 2``: each group's actors
+take ``1 / max_colocate_count`` of their bundle's CPU (and GPU), and each group forms its own
+process group with its own master port.
+
+How this differs from verl: no register-center actor, no ``detached`` / ``from_detached`` groups,
+no ``spawn`` / ``fuse`` / colocated-class splitting, no ``DataProtoFuture``; errors name the rank and
+node; an optional call timeout; ``shutdown()`` kills the actors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from verl_arpo.single_controller.base import Worker
+from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, get_method_spec, plan_call
+from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
+
+__all__ = ["PendingCall", "RayClassWithInitArgs", "RayWorkerGroup", "WorkerGroupError", "WorkerGroupTimeoutError"]
+
+logger = logging.getLogger(__name__)
+
+_RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker of a group died (or could not start) during a call."""
+
+
+class WorkerGroupTimeoutError(WorkerGroupError, TimeoutError):
+    """A group call did not finish within the group's ``call_timeout``."""
+
+
+class RayClassWithInitArgs:
+    """A worker class (a :class:`Worker` subclass, or ``ray.remote`` of one) with its constructor
+    arguments; ``update_options`` adds Ray actor options (e.g. ``max_concurrency``)."""
+
+    def __init__(self, cls: type | Any, *args: Any, **kwargs: Any) -> None:
+        user_cls = getattr(cls, "__ray_actor_class__", cls)  # unwrap ray.remote(cls)
+        if not (isinstance(user_cls, type) and issubclass(user_cls, Worker)):
+            raise TypeError(f"RayClassWithInitArgs needs a subclass of verl_arpo.single_controller.base.Worker, got {cls!r}")
+        self.cls = user_cls
+        self.args = args
+        self.kwargs = kwargs
+        self.options: dict[str, Any] = {}
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        """Extra keyword arguments for ``ActorClass.options`` (ours win on resources and env)."""
+        self.options.update(options)
+
+
+class PendingCall:
+    """A non-blocking group call (``@register(blocking=False)``): ``.get()`` waits and collects."""
+
+    def __init__(self, group: RayWorkerGroup, method: str, plan: CallPlan, refs: list) -> None:
+        self._group, self._method, self._plan, self.refs = group, method, plan, refs
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Wait (at most ``timeout`` s, default the group's ``call_timeout``) and collect."""
+        outputs = self._group._wait(self._method, self._plan.ranks, self.refs, timeout)
+        return self._plan.collect(outputs)
+
+
+class RayWorkerGroup:
+    """``world_size`` Ray actors of one worker class, one per bundle of ``resource_pool``."""
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
+        name_prefix: str | None = None,
+        num_cpus_per_worker: float | None = None,
+        env_vars: dict[str, str] | None = None,
+        call_timeout: float | None = None,
+        init_timeout: float = 300.0,
+    ) -> None:
+        """
+        Args:
+            resource_pool: where the actors go; one actor per bundle, rank order = bundle order.
+            ray_cls_with_init: the worker class and its constructor arguments.
+            name_prefix: prefix of the actor names (the class name when ``None``); a random
+                suffix keeps names unique.
+            num_cpus_per_worker: logical CPUs per actor (default: the bundle's CPUs divided by the
+                pool's ``max_colocate_count``); must fit in that share.
+            env_vars: extra environment for every actor (cannot set the rank variables).
+            call_timeout: seconds a group call may take before ``WorkerGroupTimeoutError``
+                (``None``: wait forever; change it later through ``wg.call_timeout``).
+            init_timeout: seconds to wait for all actors to start.
+        """
+        if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
+            raise TypeError("ray_cls_with_init must be a RayClassWithInitArgs")
+        bad = sorted(set(env_vars or {}) & set(_RESERVED_ENV))
+        if bad:
+            raise ValueError(f"env_vars cannot set {bad}: the worker group assigns them")
+        self.resource_pool = resource_pool
+        self.ray_cls_with_init = ray_cls_with_init
+        self.worker_cls = ray_cls_with_init.cls
+        self.name_prefix = f"{name_prefix or self.worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
+        self.call_timeout = call_timeout
+        share = 1.0 / resource_pool.max_colocate_count
+        bundle_cpus = resource_pool.cpus_per_bundle
+        self.num_cpus_per_worker = float(num_cpus_per_worker) if num_cpus_per_worker is not None else bundle_cpus * share
+        if not 0 <= self.num_cpus_per_worker <= bundle_cpus * share + 1e-9:
+            raise ValueError(
+                f"num_cpus_per_worker={self.num_cpus_per_worker} does not fit this group's share of a bundle "
+                f"({bundle_cpus} CPUs / max_colocate_count {resource_pool.max_colocate_count})"
+            )
+        self.num_gpus_per_worker = share if resource_pool.use_gpu else 0.0
+        self._env_vars = dict(env_vars or {})
+        self._workers: list[Any] = []
+        self.node_infos: list[dict] = []
+        self.master_address: str | None = None
+        self.master_port: int | None = None
+        try:
+            self._create_actors(init_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._bind_registered_methods()
+
+    # -- properties --------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The Ray actor handles, index = rank."""
+        return list(self._workers)
+
+    # -- start-up ----------------------------------------------------------------------------------
+
+    def _actor_options(self, rank: int, pg: Any, bundle: int, env: dict[str, str]) -> dict[str, Any]:
+        threads = str(max(1, int(self.num_cpus_per_worker)))
+        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        env_vars.update(self._env_vars)
+        env_vars.update(env)
+        options = dict(self.ray_cls_with_init.options)
+        user_env = dict((options.pop("runtime_env", None) or {}).get("env_vars", {}))
+        options.update(
+            name=f"{self.name_prefix}:{rank}",
+            num_cpus=self.num_cpus_per_worker,
+            num_gpus=self.num_gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": {**user_env, **env_vars}},
+            max_restarts=0,
+            max_task_retries=0,
+        )
+        return options
+
+    def _create_actors(self, init_timeout: float) -> None:
+        pgs = self.resource_pool.get_placement_groups()
+        world_size = self.resource_pool.world_size
+        local_world = self.resource_pool.local_world_size_list()
+        local_rank = self.resource_pool.local_rank_list()
+        slots = [(pg, b) for pg, count in zip(pgs, self.resource_pool.store) for b in range(count)]
+        remote_cls = ray.remote(self.worker_cls)
+        cargs, ckwargs = self.ray_cls_with_init.args, self.ray_cls_with_init.kwargs
+
+        def env_for(rank: int) -> dict[str, str]:
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(local_rank[rank]),
+                "LOCAL_WORLD_SIZE": str(local_world[rank]),
+            }
+            if self.master_address is not None:
+                env.update(MASTER_ADDR=self.master_address, MASTER_PORT=str(self.master_port))
+            return env
+
+        pg0, b0 = slots[0]
+        self._workers.append(remote_cls.options(**self._actor_options(0, pg0, b0, env_for(0))).remote(*cargs, **ckwargs))
+        self.node_infos = [{"rank": 0}]  # placeholder so errors during start-up can name rank 0
+        addr, port = self._wait("_find_master_addr_port", [0], [self._workers[0]._find_master_addr_port.remote()], init_timeout)[0]
+        self.master_address, self.master_port = addr, int(port)
+        ray.get(self._workers[0]._set_master_addr_port.remote(addr, port))
+        for rank in range(1, world_size):
+            pg, b = slots[rank]
+            self._workers.append(remote_cls.options(**self._actor_options(rank, pg, b, env_for(rank))).remote(*cargs, **ckwargs))
+        self.node_infos = [{"rank": r} for r in range(world_size)]
+        refs = [w.get_node_info.remote() for w in self._workers]
+        self.node_infos = self._wait("get_node_info", list(range(world_size)), refs, init_timeout)
+
+    def _bind_registered_methods(self) -> None:
+        for name in dir(self.worker_cls):
+            spec = get_method_spec(getattr(self.worker_cls, name, None))
+            if spec is None:
+                continue
+            if name in vars(self) or hasattr(type(self), name):
+                raise ValueError(f"{self.worker_cls.__name__}.{name}: a registered method cannot shadow RayWorkerGroup.{name}")
+            setattr(self, name, self._make_group_method(name, spec))
+
+    def _make_group_method(self, name: str, spec: MethodSpec) -> Callable:
+        def group_method(*args: Any, **kwargs: Any) -> Any:
+            plan = plan_call(spec.dispatch_mode, self.world_size, args, kwargs)
+            refs = self._submit(name, plan)
+            if not spec.blocking:
+                return PendingCall(self, name, plan, refs)
+            return plan.collect(self._wait(name, plan.ranks, refs))
+
+        original = getattr(self.worker_cls, name)
+        group_method.__name__ = name
+        group_method.__qualname__ = f"{type(self).__name__}.{name}"
+        group_method.__doc__ = f"[{spec.dispatch_mode.name}] {original.__doc__ or ''}"
+        return group_method
+
+    # -- calling -----------------------------------------------------------------------------------
+
+    def _submit(self, method: str, plan: CallPlan) -> list:
+        return [
+            getattr(self._workers[rank], method).remote(*a, **kw)
+            for rank, a, kw in zip(plan.ranks, plan.args, plan.kwargs)
+        ]
+
+    def _where(self, rank: int) -> str:
+        info = self.node_infos[rank] if rank < len(self.node_infos) else {}
+        return f"rank {rank} (node {info.get('ip', '?')}, pid {info.get('pid', '?')})"
+
+    def _wait(self, method: str, ranks: list[int], refs: list, timeout: float | None = None) -> list:
+        """Results of ``refs`` (one per entry of ``ranks``), failing fast on the first dead rank."""
+        timeout = self.call_timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        position = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        what = f"{self.worker_cls.__name__}.{method}"
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = ", ".join(self._where(ranks[position[r]]) for r in pending)
+                raise WorkerGroupTimeoutError(f"{what} did not finish within {timeout}s on {late}")
+            for ref in ready:
+                i = position[ref]
+                try:
+                    results[i] = ray.get(ref)
+                except RayActorError as exc:
+                    raise WorkerGroupError(
+                        f"worker {self._where(ranks[i])} of group {self.name_prefix!r} died during {what}: "
+                        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                    ) from exc
+                except Exception as exc:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"raised by {what} on worker {self._where(ranks[i])} of group {self.name_prefix!r}")
+                    raise
+        return results
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """Call ``method_name`` with the same arguments on every rank; results in rank order."""
+        plan = plan_call("ONE_TO_ALL", self.world_size, args, kwargs)
+        return self._wait(method_name, plan.ranks, self._submit(method_name, plan))
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """Like :meth:`execute_all` but returns the Ray object refs without waiting."""
+        return self._submit(method_name, plan_call("ONE_TO_ALL", self.world_size, args, kwargs))
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method_name`` on rank 0 only and return its result."""
+        plan = plan_call("RANK_ZERO", self.world_size, args, kwargs)
+        return plan.collect(self._wait(method_name, plan.ranks, self._submit(method_name, plan)))
+
+    # -- teardown ----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Kill every actor of the group (running calls fail); the pool stays reserved."""
+        for actor in self._workers:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # already dead, or Ray shut down
+                logger.debug("ray.kill failed: %s", exc)
+        self._workers = []
+
+    def __repr__(self) -> str:
+        return f"RayWorkerGroup({self.worker_cls.__name__}, world_size={self.world_size}, name_prefix={self.name_prefix!r})"

@@ -1,0 +1,525 @@
+"""Checking, normalizing and masking the trainer config (configs/ppo_trainer.yaml) before Ray starts.
+
+    validate_config(cfg)   every bad value at once, as a ConfigError naming the key and the fix
+    normalize_config(cfg)  a new config with the run-time fields filled (verl's batch-size semantics)
+    mask_secrets(cfg)      a plain dict safe to print or log (API keys, tokens, passwords → ***)
+    resolve_device(cfg)    trainer.device=auto → cuda when visible, else cpu
+
+Batch sizes follow verl: the user gives `data.train_batch_size` and `actor.ppo_mini_batch_size` in
+*prompts*; each prompt becomes `rollout.n` trajectories (ARPO's branches fill the group up to n), and
+the trajectories are split over `trainer.n_gpus_per_node × trainer.nnodes` workers. normalize_config
+rewrites `ppo_mini_batch_size` to trajectories *per worker* (mini × n ÷ world), as verl's workers do
+in place; we do it once, on a copy, and mark the copy (`trainer.config_normalized`) so that a second
+call is a no-op instead of dividing twice.
+
+Not checked here: anything that needs the model or the data loaded (prompt lengths, vocabulary),
+tool YAML contents (the tool registry reports those when it builds the tools).
+
+Secret masking departs from a plain "key contains token" rule: `token` only matches as a key
+*suffix* (`hf_token`, `access_token`), so `ppo_max_token_len_per_gpu` and `tokenizer` stay visible.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+__all__ = ["ConfigError", "validate_config", "normalize_config", "mask_secrets", "mask_text",
+           "resolve_device", "parse_logger", "resolve_project_path", "PROJECT_ROOT", "LOGGER_BACKENDS"]
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (the folder holding configs/ and verl_arpo/)."""
+
+LOGGER_BACKENDS = ("console", "wandb", "tensorboard", "jsonl")
+ROLLOUT_NAMES = ("hf", "vllm")
+ROLLOUT_MODES = ("sync_with_tool",)
+DEVICES = ("auto", "cuda", "cpu")
+RESUME_MODES = ("auto", "disable", "resume_path")
+TRUNCATIONS = ("error", "left", "right")
+WARMUP_STYLES = ("constant", "cosine")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+STRATEGIES = ("fsdp", "fsdp2")
+
+SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+"""Environment variables whose values are masked wherever they appear inside a string."""
+MASK = "***"
+_SECRET_KEY = re.compile(r"api_?key|secret|password|passwd|credential|token$", re.IGNORECASE)
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A config with one or more bad values; `.problems` lists (key, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = list(problems)
+        lines = [f"  - {key}: {msg}" for key, msg in self.problems]
+        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n" + "\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------
+# small helpers
+# ------------------------------------------------------------------------------------------------
+def _as_omegaconf(cfg: Any) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+
+
+def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
+    """cfg[key] resolved; `default` when absent or null; _MISSING when ??? (or resolves to ???)."""
+    try:
+        value = OmegaConf.select(cfg, key, default=default, throw_on_missing=True)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
+    except Exception:  # ???, an interpolation to ???, a broken interpolation
+        return _MISSING
+    return default if value is None else value
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value)
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_logger(value: Any) -> list[str]:
+    """trainer.logger as a list: accepts a list, "console", "console,wandb" or "[console, wandb]"."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [str(v).strip() for v in value]
+    text = str(value).strip().strip("[]")
+    return [part.strip().strip("'\"") for part in text.split(",") if part.strip().strip("'\"")]
+
+
+def resolve_project_path(path: str | os.PathLike) -> Path:
+    """An absolute path: as given, else relative to the cwd if it exists there, else to the repo root."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    candidate = PROJECT_ROOT / p
+    return candidate if candidate.exists() else p.resolve()
+
+
+def _files(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+# ------------------------------------------------------------------------------------------------
+# validation: one function per topic; each calls add(key, message) for every problem it finds
+# ------------------------------------------------------------------------------------------------
+AR = "actor_rollout_ref"
+
+
+def _check_model(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    key = f"{AR}.model.path"
+    path = _select(c, key)
+    if path is _MISSING or path in (None, ""):
+        add(key, "is required: set it to a Hugging Face model folder (the one holding config.json)")
+    elif not Path(os.path.expanduser(str(path))).is_dir():
+        add(key, f"{path!r} is not a folder: give a local Hugging Face model folder (with config.json)")
+    elif not (Path(os.path.expanduser(str(path))) / "config.json").is_file():
+        add(key, f"{path!r} has no config.json: point it at a Hugging Face model folder")
+    if _select(c, f"{AR}.hybrid_engine", True) is not True:
+        add(f"{AR}.hybrid_engine", "only the colocated (hybrid) engine is implemented: set it to true")
+    lora = _as_int(_select(c, f"{AR}.model.lora_rank", 0))
+    if lora is None or lora < 0:
+        add(f"{AR}.model.lora_rank", "must be an integer >= 0 (0 = full fine-tuning)")
+
+
+def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    r = f"{AR}.rollout"
+    name = _select(c, f"{r}.name", "hf")
+    if name not in ROLLOUT_NAMES:
+        add(f"{r}.name", f"unknown engine {name!r}; accepted: {list(ROLLOUT_NAMES)}")
+    elif name == "vllm" and importlib.util.find_spec("vllm") is None:
+        add(f"{r}.name", "vllm is not installed here: install it, or use actor_rollout_ref.rollout.name=hf")
+    mode = _select(c, f"{r}.mode", "sync_with_tool")
+    if mode not in ROLLOUT_MODES:
+        add(f"{r}.mode", f"unknown mode {mode!r}; accepted: {list(ROLLOUT_MODES)} (the multi-turn tool loop)")
+    n = _as_int(_select(c, f"{r}.n", 1))
+    if n is None or n < 1:
+        add(f"{r}.n", "must be an integer >= 1 (trajectories per prompt)")
+    init = _select(c, f"{r}.initial_rollouts")
+    if init is not None:
+        m0 = _as_int(init)
+        if m0 is None or m0 < 1:
+            add(f"{r}.initial_rollouts", "must be null or an integer >= 1")
+        elif n is not None and n < m0:
+            add(f"{r}.initial_rollouts", f"{m0} is larger than rollout.n={n}: set initial_rollouts <= n "
+                "(ARPO starts initial_rollouts trajectories and branches up to n)")
+    beam = _as_int(_select(c, f"{r}.beam_size", 2))
+    if beam is None or beam < 1:
+        add(f"{r}.beam_size", "must be an integer >= 1")
+    p = _as_float(_select(c, f"{r}.branch_probability", 0.5))
+    if p is None or not 0.0 <= p <= 1.0:
+        add(f"{r}.branch_probability", "must be a number in [0, 1]")
+    from verl_arpo.workers.rollout.branching import ENTROPY_MODES
+
+    mode = _select(c, f"{r}.entropy_mode", "topk_proxy")
+    if mode not in ENTROPY_MODES:
+        add(f"{r}.entropy_mode", f"unknown {mode!r}; accepted: {list(ENTROPY_MODES)}")
+    for leaf in ("entropy_window", "entropy_topk", "initial_entropy_tokens"):
+        v = _as_int(_select(c, f"{r}.{leaf}", 1))
+        if v is None or v < 1:
+            add(f"{r}.{leaf}", "must be an integer >= 1")
+    vn = _as_int(_select(c, f"{r}.val_kwargs.n", 1))
+    if vn is None or vn < 1:
+        add(f"{r}.val_kwargs.n", "must be an integer >= 1")
+    multi = _select(c, f"{r}.multi_turn.enable", True)
+    if multi not in (True, False, ""):
+        add(f"{r}.multi_turn.enable", f"must be true or false, got {multi!r}")
+    if name == "vllm":
+        tp = _as_int(_select(c, f"{r}.tensor_model_parallel_size", 1))
+        gpus = _as_int(_select(c, "trainer.n_gpus_per_node", 1))
+        if tp is None or tp < 1 or (gpus and gpus % tp):
+            add(f"{r}.tensor_model_parallel_size", f"must be >= 1 and divide trainer.n_gpus_per_node={gpus}")
+
+
+def _check_batches(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    nodes = _as_int(_select(c, "trainer.nnodes", 1))
+    gpus = _as_int(_select(c, "trainer.n_gpus_per_node", 1))
+    if nodes is None or nodes < 1:
+        add("trainer.nnodes", "must be an integer >= 1")
+    if gpus is None or gpus < 1:
+        add("trainer.n_gpus_per_node", "must be an integer >= 1 (workers per node: GPUs, or CPU processes)")
+    bsz = _as_int(_select(c, "data.train_batch_size", 1))
+    if bsz is None or bsz < 1:
+        add("data.train_batch_size", "must be an integer >= 1 (prompts per step)")
+    n = _as_int(_select(c, f"{AR}.rollout.n", 1))
+    if None in (nodes, gpus, bsz, n) or min(nodes, gpus, bsz, n) < 1:
+        return  # reported above; the arithmetic below needs all four
+    if _select(c, "trainer.config_normalized", False) is True:
+        return  # sizes are per worker already (checked before normalizing)
+    world = nodes * gpus
+    if bsz * n % world:
+        add("data.train_batch_size", f"train_batch_size × rollout.n = {bsz} × {n} = {bsz * n} trajectories "
+            f"do not split evenly over {world} workers (trainer.n_gpus_per_node × trainer.nnodes): "
+            "change the batch size, rollout.n or the worker count")
+    _check_mini_batch(c, add, f"{AR}.actor", bsz, n, world)
+    for section in (f"{AR}.rollout", f"{AR}.ref"):
+        old = _select(c, f"{section}.log_prob_micro_batch_size")
+        if old is not None and (_as_int(old) is None or _as_int(old) < world or _as_int(old) % world):
+            add(f"{section}.log_prob_micro_batch_size", f"(deprecated, global) must be a multiple of the "
+                f"{world} workers; better set log_prob_micro_batch_size_per_gpu instead")
+        per = _as_int(_select(c, f"{section}.log_prob_micro_batch_size_per_gpu", 1))
+        if per is None or per < 1:
+            add(f"{section}.log_prob_micro_batch_size_per_gpu", "must be an integer >= 1")
+    if _select(c, "algorithm.adv_estimator") == "gae" and _select(c, "critic") not in (_MISSING, None):
+        _check_mini_batch(c, add, "critic", bsz, n, world)
+
+
+def _check_mini_batch(c: DictConfig, add, section: str, bsz: int, n: int, world: int) -> None:
+    key = f"{section}.ppo_mini_batch_size"
+    mini = _as_int(_select(c, key, 1))
+    if mini is None or mini < 1:
+        add(key, "must be an integer >= 1 (prompts per optimizer step)")
+        return
+    if mini > bsz or bsz % mini:
+        add(key, f"{mini} prompts must divide data.train_batch_size={bsz}: pick a divisor of the batch")
+    if mini * n % world:
+        add(key, f"ppo_mini_batch_size × rollout.n = {mini} × {n} = {mini * n} trajectories do not split "
+            f"evenly over {world} workers: pick a mini batch whose ×n is a multiple of the worker count")
+        return
+    per_worker = mini * n // world
+    old = _select(c, f"{section}.ppo_micro_batch_size")
+    if old is not None:
+        old_i = _as_int(old)
+        if old_i is None or old_i < world or old_i % world:
+            add(f"{section}.ppo_micro_batch_size", f"(deprecated, global) must be a multiple of the {world} "
+                "workers; better set ppo_micro_batch_size_per_gpu instead")
+            return
+        micro = old_i // world
+    else:
+        micro = _as_int(_select(c, f"{section}.ppo_micro_batch_size_per_gpu", 1))
+    if micro is None or micro < 1:
+        add(f"{section}.ppo_micro_batch_size_per_gpu", "must be an integer >= 1")
+    elif _select(c, f"{section}.use_dynamic_bsz", False) is not True and per_worker % micro:
+        add(f"{section}.ppo_micro_batch_size_per_gpu", f"{micro} does not divide the {per_worker} trajectories "
+            f"each worker gets per mini batch (ppo_mini_batch_size × n ÷ workers = {mini} × {n} ÷ {world}): "
+            "pick a divisor, or set use_dynamic_bsz=true")
+
+
+def _check_lengths(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    lens = {}
+    for leaf in ("max_prompt_length", "max_response_length"):
+        v = _as_int(_select(c, f"data.{leaf}", 1))
+        if v is None or v < 1:
+            add(f"data.{leaf}", "must be an integer >= 1 (tokens)")
+        lens[leaf] = v or 0
+    one_seq = lens["max_prompt_length"] + lens["max_response_length"]
+    budgets = [(f"{AR}.actor.use_dynamic_bsz", f"{AR}.actor.ppo_max_token_len_per_gpu"),
+               (f"{AR}.rollout.log_prob_use_dynamic_bsz", f"{AR}.rollout.log_prob_max_token_len_per_gpu"),
+               (f"{AR}.ref.log_prob_use_dynamic_bsz", f"{AR}.ref.log_prob_max_token_len_per_gpu")]
+    for flag, key in budgets:
+        if _select(c, flag, False) is True:
+            budget = _as_int(_select(c, key, 0))
+            if budget is None or budget < one_seq:
+                add(key, f"token budget {budget} < max_prompt_length + max_response_length = {one_seq}: one "
+                    "full sequence must fit (the seeds use 2-4 × that sum)")
+    trunc = _select(c, "data.truncation", "error")
+    if trunc not in TRUNCATIONS:
+        add("data.truncation", f"unknown {trunc!r}; accepted: {list(TRUNCATIONS)}")
+
+
+def _check_algorithm(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    from verl_arpo.trainer.ppo.core_algos import (ADV_ESTIMATOR_REGISTRY, KL_PENALTIES, LOSS_AGG_MODES,
+                                                  POLICY_LOSS_REGISTRY)
+
+    est = _select(c, "algorithm.adv_estimator", "grpo")
+    if est not in ADV_ESTIMATOR_REGISTRY:
+        add("algorithm.adv_estimator", f"unknown {est!r}; accepted: {sorted(ADV_ESTIMATOR_REGISTRY)}")
+    if est == "gae":
+        critic = _select(c, "critic")
+        if critic in (_MISSING, None) or _select(c, "critic.model.path") in (_MISSING, None, ""):
+            add("critic", "adv_estimator=gae needs a critic: give critic.model.path (and the critic section "
+                "of ppo_trainer.yaml), or use algorithm.adv_estimator=grpo")
+        else:
+            mode = _select(c, "critic.loss_agg_mode", "token-mean")
+            if mode not in LOSS_AGG_MODES:
+                add("critic.loss_agg_mode", f"unknown {mode!r}; accepted: {list(LOSS_AGG_MODES)}")
+    mode = _select(c, f"{AR}.actor.loss_agg_mode", "token-mean")
+    if mode not in LOSS_AGG_MODES:
+        add(f"{AR}.actor.loss_agg_mode", f"unknown {mode!r}; accepted: {list(LOSS_AGG_MODES)}")
+    kl = _select(c, f"{AR}.actor.kl_loss_type", "low_var_kl")
+    if kl not in KL_PENALTIES:
+        add(f"{AR}.actor.kl_loss_type", f"unknown {kl!r}; accepted: {list(KL_PENALTIES)}")
+    kl = _select(c, "algorithm.kl_penalty", "kl")
+    if kl not in KL_PENALTIES:
+        add("algorithm.kl_penalty", f"unknown {kl!r}; accepted: {list(KL_PENALTIES)}")
+    ctrl = _select(c, "algorithm.kl_ctrl.type", "fixed")
+    if ctrl not in KL_CTRL_TYPES:
+        add("algorithm.kl_ctrl.type", f"unknown {ctrl!r}; accepted: {list(KL_CTRL_TYPES)}")
+    loss = _select(c, f"{AR}.actor.policy_loss.loss_mode", "vanilla")
+    if loss not in POLICY_LOSS_REGISTRY:
+        add(f"{AR}.actor.policy_loss.loss_mode", f"unknown {loss!r}; accepted: {sorted(POLICY_LOSS_REGISTRY)}")
+
+
+def _check_actor(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    a = f"{AR}.actor"
+    clip = _as_float(_select(c, f"{a}.clip_ratio", 0.2))
+    if clip is None or clip <= 0:
+        add(f"{a}.clip_ratio", "must be a number > 0 (PPO ε)")
+    for leaf in ("clip_ratio_low", "clip_ratio_high"):
+        v = _select(c, f"{a}.{leaf}")
+        if v is not None and (_as_float(v) is None or _as_float(v) < 0):
+            add(f"{a}.{leaf}", "must be null or a number >= 0")
+    low = _as_float(_select(c, f"{a}.clip_ratio_low"))
+    if low is not None and low >= 1:
+        add(f"{a}.clip_ratio_low", "must be < 1 (the lower bound is 1 − clip_ratio_low)")
+    cc = _as_float(_select(c, f"{a}.clip_ratio_c", 3.0))
+    if cc is None or cc <= 1:
+        add(f"{a}.clip_ratio_c", f"dual-clip constant must be > 1, got {cc!r}: use e.g. 3.0")
+    for key in (f"{a}.grad_clip", f"{a}.max_grad_norm"):
+        v = _select(c, key)
+        if v is not None and (_as_float(v) is None or _as_float(v) <= 0):
+            add(key, "must be null or a number > 0 (max gradient norm)")
+    epochs = _as_int(_select(c, f"{a}.ppo_epochs", 1))
+    if epochs is None or epochs < 1:
+        add(f"{a}.ppo_epochs", "must be an integer >= 1")
+    strategy = _select(c, f"{a}.strategy", "fsdp")
+    if strategy not in STRATEGIES:
+        add(f"{a}.strategy", f"unknown {strategy!r}; accepted: {list(STRATEGIES)}")
+    for section in (f"{a}.optim", "critic.optim"):
+        if section == "critic.optim" and _select(c, "algorithm.adv_estimator") != "gae":
+            continue
+        lr = _as_float(_select(c, f"{section}.lr", 1e-6))
+        if lr is None or lr <= 0:
+            add(f"{section}.lr", "must be a number > 0")
+        style = _select(c, f"{section}.warmup_style", "constant")
+        if style not in WARMUP_STYLES:
+            add(f"{section}.warmup_style", f"unknown {style!r}; accepted: {list(WARMUP_STYLES)}")
+
+
+def _check_files(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    for key, required in (("data.train_files", True), ("data.val_files", False)):
+        value = _select(c, key)
+        if value is _MISSING or (required and not value):
+            add(key, "is required: give a parquet file or a list of files")
+            continue
+        for f in _files(value):
+            if not Path(os.path.expanduser(f)).is_file():
+                add(key, f"no such file {f!r}")
+    path = _select(c, "custom_reward_function.path")
+    if path not in (None, "", _MISSING):
+        p = resolve_project_path(path)
+        if not p.is_file():
+            add("custom_reward_function.path", f"no such file {str(path)!r}: give a .py file, or null for the "
+                "built-in scorers chosen by data_source")
+        elif p.suffix != ".py":
+            add("custom_reward_function.path", f"{str(path)!r} is not a Python (.py) file")
+    if _select(c, "reward_model.enable", False) is True:
+        add("reward_model.enable", "model-based rewards are not supported: set it to false (rule-based scorers)")
+
+
+def _check_trainer(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    backends = parse_logger(_select(c, "trainer.logger", ["console"]))
+    unknown = [b for b in backends if b not in LOGGER_BACKENDS]
+    if unknown:
+        add("trainer.logger", f"unknown backend(s) {unknown}; accepted: {list(LOGGER_BACKENDS)}")
+    device = _select(c, "trainer.device", "auto")
+    if device not in DEVICES:
+        add("trainer.device", f"unknown {device!r}; accepted: {list(DEVICES)}")
+    mode = _select(c, "trainer.resume_mode", "auto")
+    if mode not in RESUME_MODES:
+        add("trainer.resume_mode", f"unknown {mode!r}; accepted: {list(RESUME_MODES)}")
+    elif mode == "resume_path" and not _select(c, "trainer.resume_from_path"):
+        add("trainer.resume_from_path", "resume_mode=resume_path needs resume_from_path (a global_step_N folder)")
+    for leaf in ("save_freq", "test_freq", "total_epochs"):
+        if _as_int(_select(c, f"trainer.{leaf}", 1)) is None:
+            add(f"trainer.{leaf}", "must be an integer")
+    steps = _select(c, "trainer.total_training_steps")
+    if steps is not None and (_as_int(steps) is None or _as_int(steps) < 1):
+        add("trainer.total_training_steps", "must be null or an integer >= 1")
+    cpus = _select(c, "ray_init.num_cpus")
+    if cpus is not None and (_as_int(cpus) is None or _as_int(cpus) < 1):
+        add("ray_init.num_cpus", "must be null (all CPUs) or an integer >= 1")
+
+
+_CHECKS = (_check_model, _check_rollout, _check_batches, _check_lengths, _check_algorithm, _check_actor,
+           _check_files, _check_trainer)
+
+
+def validate_config(cfg: DictConfig | Mapping) -> None:
+    """Raise ConfigError listing every bad value (key, problem, fix); return None when all is well."""
+    c = _as_omegaconf(cfg)
+    problems: list[tuple[str, str]] = []
+
+    def add(key: str, message: str) -> None:
+        problems.append((key, message))
+
+    for check in _CHECKS:
+        check(c, add)
+    if problems:
+        raise ConfigError(problems)
+
+
+# ------------------------------------------------------------------------------------------------
+# normalization
+# ------------------------------------------------------------------------------------------------
+def resolve_device(cfg: DictConfig | Mapping | str) -> str:
+    """"cuda" or "cpu" for trainer.device (auto → cuda when torch sees a GPU). Accepts the config or the value."""
+    device = cfg if isinstance(cfg, str) else (_select(_as_omegaconf(cfg), "trainer.device", "auto"))
+    if device not in DEVICES:
+        raise ConfigError([("trainer.device", f"unknown {device!r}; accepted: {list(DEVICES)}")])
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise ConfigError([("trainer.device", "cuda requested but no CUDA device is visible: use "
+                            "trainer.device=cpu or trainer.device=auto")])
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    return device
+
+
+def _per_worker(node: DictConfig, leaf: str, world: int) -> None:
+    """verl's deprecated global micro batch `leaf` → `<leaf>_per_gpu` (÷ world) when it is set."""
+    if node.get(leaf) is not None:
+        node[f"{leaf}_per_gpu"] = int(node[leaf]) // world
+
+
+def normalize_config(cfg: DictConfig | Mapping) -> DictConfig:
+    """A resolved copy with the run-time fields filled; `cfg` is not modified. Idempotent.
+
+    - actor (and critic) `ppo_mini_batch_size`: prompts → trajectories per worker (× n ÷ world)
+    - deprecated global micro batch sizes → the `*_per_gpu` keys (÷ world)
+    - `actor.max_grad_norm` (alias) → `actor.grad_clip`
+    - `trainer.logger` → a list; `trainer.device` → cuda | cpu
+    - `rollout.multi_turn.enable` empty (the seeds pass an unset shell variable) → true
+    - `custom_reward_function.path` → absolute (cwd first, then the repository root)
+    """
+    src = _as_omegaconf(cfg)
+    out = OmegaConf.create(OmegaConf.to_container(src, resolve=True))
+    if out.get("trainer", {}).get("config_normalized", False):
+        OmegaConf.set_struct(out, True)
+        return out
+    world = int(out.trainer.n_gpus_per_node) * int(out.trainer.nnodes)
+    n = int(out.actor_rollout_ref.rollout.n)
+    arr = out.actor_rollout_ref
+    arr.actor.ppo_mini_batch_size = int(arr.actor.ppo_mini_batch_size) * n // world
+    _per_worker(arr.actor, "ppo_micro_batch_size", world)
+    for section in (arr.rollout, arr.ref):
+        _per_worker(section, "log_prob_micro_batch_size", world)
+    if out.get("critic") is not None and out.critic.get("ppo_mini_batch_size") is not None:
+        out.critic.ppo_mini_batch_size = int(out.critic.ppo_mini_batch_size) * n // world
+        _per_worker(out.critic, "ppo_micro_batch_size", world)
+    if arr.actor.get("max_grad_norm") is not None:
+        arr.actor.grad_clip = float(arr.actor.max_grad_norm)
+    out.trainer.logger = parse_logger(out.trainer.get("logger", ["console"]))
+    out.trainer.device = resolve_device(out.trainer.get("device", "auto"))
+    multi = arr.rollout.get("multi_turn", {}).get("enable", True)
+    if "multi_turn" in arr.rollout:
+        arr.rollout.multi_turn.enable = True if multi in ("", None) else bool(multi)
+    crf = out.get("custom_reward_function")
+    if crf is not None and crf.get("path"):
+        crf.path = str(resolve_project_path(crf.path))
+    out.trainer.config_normalized = True
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# secrets
+# ------------------------------------------------------------------------------------------------
+def is_secret_key(key: Any) -> bool:
+    """True for keys holding credentials: *api_key*, *secret*, *password*, *credential*, *token (suffix)."""
+    return bool(_SECRET_KEY.search(str(key)))
+
+
+def mask_text(text: str) -> str:
+    """`text` with the values of SECRET_ENV_VARS (when set, >= 4 chars) replaced by ***."""
+    for name in SECRET_ENV_VARS:
+        value = os.environ.get(name, "")
+        if len(value) >= 4 and value in text:
+            text = text.replace(value, MASK)
+    return text
+
+
+def _mask(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: (MASK if is_secret_key(k) and v not in (None, "") else _mask(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask(v) for v in value]
+    if isinstance(value, str):
+        return mask_text(value)
+    return value
+
+
+def mask_secrets(cfg: DictConfig | Mapping | Any) -> dict:
+    """A plain dict copy of `cfg` with secret values replaced by *** (see is_secret_key, mask_text).
+
+    Accepts a DictConfig (resolved when possible; a ??? value stays ???) or any mapping.
+    Null / empty secrets stay as they are, so the printout shows that no key is set.
+    """
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        try:
+            plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except Exception:  # an interpolation that cannot resolve (e.g. to a ??? value)
+            plain = OmegaConf.to_container(cfg, resolve=False)
+    elif isinstance(cfg, Mapping):
+        plain = {k: (OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v)
+                 for k, v in cfg.items()}
+    else:
+        raise TypeError(f"mask_secrets expects a config or a mapping, got {type(cfg).__name__}")
+    return _mask(plain)

@@ -1,0 +1,120 @@
+"""Training entry point (Hydra): ``python -m verl_arpo.trainer.main_ppo [key=value ...]``.
+
+    python -m verl_arpo.trainer.main_ppo actor_rollout_ref.model.path=/models/qwen data.train_files=...
+    python -m verl_arpo.trainer.main_ppo --config-name=ppo_trainer_dr ...      # deep-research preset
+    python -m verl_arpo.trainer.main_ppo --config-path=/my/configs --config-name=my.yaml ...
+    python -m verl_arpo.trainer.main_ppo --cfg job ...                        # print the config, run nothing
+
+The configs come from the repository's ``configs/`` folder whatever the working directory (the
+package sits next to it in a source checkout or an editable install); ``--config-path`` replaces it,
+as in the seeds' scripts. Hydra does not change the working directory, and it keeps no ``.hydra/``
+copy of the config (that copy would hold API keys in clear); a masked ``config.yaml`` is written to
+the Hydra run dir (``hydra.run.dir``) instead.
+
+Order of events, so that a bad value costs seconds rather than a Ray start-up: print the masked
+config → ``validate_config`` (every problem at once, exit code 2) → import the trainer → start or
+join Ray → ``verl_arpo.trainer.ppo.ray_trainer.run_ppo(config)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+"""Absolute path of the repository's configs/ folder (Hydra's default --config-path)."""
+
+DEFAULT_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+"""Environment of the driver and of every Ray worker; ray_init.runtime_env.env_vars override it."""
+
+
+def format_config(cfg: DictConfig) -> str:
+    """The masked, resolved config as YAML (a ??? value is printed as ???)."""
+    return OmegaConf.to_yaml(OmegaConf.create(mask_secrets(cfg)))
+
+
+def _write_masked_config(cfg: DictConfig) -> None:
+    """Save the masked config into the Hydra run dir (when running under Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(format_config(cfg), encoding="utf-8")
+
+
+def load_run_ppo():
+    """`run_ppo` from the trainer, or an ImportError that says what is missing."""
+    try:
+        from verl_arpo.trainer.ppo.ray_trainer import run_ppo
+    except ImportError as exc:
+        raise ImportError(
+            "cannot import verl_arpo.trainer.ppo.ray_trainer.run_ppo, the training driver "
+            f"({type(exc).__name__}: {exc}). The config is valid; the trainer module is missing or "
+            "broken in this checkout."
+        ) from exc
+    return run_ppo
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def init_ray(cfg: DictConfig) -> bool:
+    """Start a local Ray cluster, or join `ray_init.address`. Returns True when this call started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    for key, value in DEFAULT_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    ray_cfg = cfg.get("ray_init", None) or {}
+    runtime_env = dict(_plain(ray_cfg.get("runtime_env", None)) or {})
+    env_vars = {**DEFAULT_RAY_ENV, **(runtime_env.get("env_vars") or {})}
+    runtime_env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
+    address = ray_cfg.get("address", None)
+    if address:
+        ray.init(address=str(address), runtime_env=runtime_env)
+    else:
+        num_cpus = ray_cfg.get("num_cpus", None)
+        ray.init(num_cpus=int(num_cpus) if num_cpus else None, runtime_env=runtime_env,
+                 include_dashboard=bool(ray_cfg.get("include_dashboard", False)))
+    return True
+
+
+def run(cfg: DictConfig) -> Any:
+    """Print, validate, start Ray, train. Raises ConfigError before anything is started."""
+    print(format_config(cfg), flush=True)
+    validate_config(cfg)
+    _write_masked_config(cfg)
+    run_ppo = load_run_ppo()
+    started = init_ray(cfg)
+    try:
+        return run_ppo(cfg)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+def main(cfg: DictConfig) -> None:
+    """Hydra entry; a config problem exits with code 2 and one line per problem."""
+    try:
+        run(cfg)
+    except ConfigError as exc:
+        print(f"[verl_arpo] {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

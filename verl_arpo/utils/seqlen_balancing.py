@@ -1,0 +1,222 @@
+"""Sequence-length balancing: token-budget micro-batches and token-balanced data-parallel shards.
+
+Three jobs, one partitioner:
+
+- `get_seqlen_balanced_partitions(seqlen_list, k, equal_size)` splits row indices into k groups
+  whose token sums are as equal as we can cheaply make them (Karmarkar–Karp largest differencing,
+  k-way; see `_ldm_partition`).
+- `rearrange_micro_batches(batch, max_token_len)` cuts one (mini-)batch into micro-batches for
+  `use_dynamic_bsz`: every micro-batch holds ≤ max_token_len tokens (tokens of a row =
+  attention_mask.sum), except a row that alone exceeds the budget, which then forms a micro-batch
+  by itself. Under torch.distributed all data-parallel ranks get the same number of micro-batches
+  (`same_micro_num_in_dp`), because every FSDP forward/backward runs collectives and ranks with
+  different counts would deadlock.
+- `balance_batch_indices(seqlens, dp_size)` gives the trainer a row order after which
+  `DataProto.chunk(dp_size)` hands every rank the same number of rows and nearly the same tokens.
+
+`get_reverse_idx` inverts a permutation so per-micro-batch outputs go back to the input order.
+
+What this does not do: it balances token *sums*. A padded forward costs rows × longest row, so
+with `use_remove_padding=False` the compute per micro-batch is only roughly balanced.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "get_seqlen_balanced_partitions",
+    "rearrange_micro_batches",
+    "get_reverse_idx",
+    "balance_batch_indices",
+    "split_micro_batches",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The partitioner
+# --------------------------------------------------------------------------------------------
+def _ldm_partition(seqlens: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
+    """k-way Karmarkar–Karp (largest differencing method) over row indices.
+
+    Each heap entry is a partial solution: k buckets (sum, indices). Start with one entry per row
+    (that row in one bucket, k−1 empty buckets) — or, with equal_size, one entry per run of k
+    consecutive rows of the length-sorted list (one row per bucket). Repeatedly pop the two
+    entries with the largest spread (max − min bucket sum) and merge them, pairing the heaviest
+    bucket of one with the lightest of the other, which cancels their imbalances. With
+    equal_size every merge adds one run to every bucket, so bucket sizes stay equal.
+    """
+    order = sorted(range(len(seqlens)), key=lambda i: (seqlens[i], i))
+    entries: list[list[tuple[int, list[int]]]] = []
+    if equal_size:
+        for start in range(0, len(order), k):
+            entries.append([(seqlens[i], [i]) for i in order[start:start + k]])
+    else:
+        for i in order:
+            entries.append([(seqlens[i], [i])] + [(0, []) for _ in range(k - 1)])
+
+    def spread(buckets: list[tuple[int, list[int]]]) -> int:
+        sums = [s for s, _ in buckets]
+        return max(sums) - min(sums)
+
+    # heapq is a min-heap: key on −spread; the counter keeps ties deterministic.
+    heap = [(-spread(b), n, b) for n, b in enumerate(entries)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        a_desc = sorted(a, key=lambda x: -x[0])
+        b_asc = sorted(b, key=lambda x: x[0])
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a_desc, b_asc)]
+        heapq.heappush(heap, (-spread(merged), counter, merged))
+        counter += 1
+    buckets = heap[0][2] if heap else [(0, []) for _ in range(k)]
+    return [sorted(idx) for _, idx in buckets]
+
+
+def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Split row indices 0..n−1 into `k_partitions` non-empty groups with near-equal Σ seqlen.
+
+    equal_size=True additionally gives every group n/k rows (n must divide by k). Groups are
+    returned sorted by their smallest index; indices inside a group are ascending. Karmarkar–Karp
+    largest differencing (our k-way implementation): typically within one row length of the
+    optimum on real length distributions, O(n log n · k).
+    """
+    n = len(seqlen_list)
+    if k_partitions <= 0:
+        raise ValueError(f"`k_partitions` must be positive, got {k_partitions}")
+    if n < k_partitions:
+        raise ValueError(f"cannot split {n} rows into {k_partitions} non-empty partitions")
+    if equal_size and n % k_partitions != 0:
+        raise ValueError(f"equal_size partitions need len(seqlen_list) ({n}) divisible by k_partitions ({k_partitions})")
+    parts = _ldm_partition([int(s) for s in seqlen_list], k_partitions, equal_size)
+    if any(len(p) == 0 for p in parts):  # cannot happen for n ≥ k (each merge fills min(k, a+b) buckets)
+        raise RuntimeError("internal error: an empty partition was produced")
+    return sorted(parts, key=lambda p: p[0])
+
+
+def get_reverse_idx(idx_map: Sequence[int] | torch.Tensor) -> list[int]:
+    """Inverse permutation: if output row i came from input row idx_map[i], then
+    outputs[get_reverse_idx(idx_map)] restores the input order (reverse[idx_map[i]] = i)."""
+    idx = [int(i) for i in (idx_map.tolist() if isinstance(idx_map, torch.Tensor) else idx_map)]
+    if sorted(idx) != list(range(len(idx))):
+        raise ValueError("`idx_map` must be a permutation of 0..n-1")
+    reverse = [0] * len(idx)
+    for pos, i in enumerate(idx):
+        reverse[i] = pos
+    return reverse
+
+
+# --------------------------------------------------------------------------------------------
+# Token-budget micro-batches
+# --------------------------------------------------------------------------------------------
+def _budget_partitions(seqlens: list[int], max_token_len: int, k: int) -> list[list[int]] | None:
+    """Balanced k-way partition if every group either fits the budget or is one overlong row."""
+    parts = get_seqlen_balanced_partitions(seqlens, k, equal_size=False)
+    ok = all(sum(seqlens[i] for i in p) <= max_token_len or len(p) == 1 for p in parts)
+    return parts if ok else None
+
+
+def _min_feasible_partitions(seqlens: list[int], max_token_len: int) -> list[list[int]]:
+    """Fewest balanced groups that respect the budget: start at ⌈Σ / budget⌉ (a lower bound, with
+    each overlong row counted as a group of its own) and add groups until it fits. k = n always
+    fits (one row per group), so this terminates."""
+    n = len(seqlens)
+    overlong = sum(1 for s in seqlens if s > max_token_len)
+    rest = sum(s for s in seqlens if s <= max_token_len)
+    k = min(n, max(1, overlong + math.ceil(rest / max_token_len)))
+    while True:
+        parts = _budget_partitions(seqlens, max_token_len, k)
+        if parts is not None:
+            return parts
+        k += 1
+
+
+def _split_to_count(parts: list[list[int]], seqlens: list[int], k: int) -> list[list[int]]:
+    """Raise the number of groups to k by halving (token-balanced) the heaviest multi-row group;
+    halves of a group within budget stay within budget."""
+    parts = [list(p) for p in parts]
+    while len(parts) < k:
+        splittable = [p for p in parts if len(p) > 1]
+        if not splittable:
+            raise ValueError(f"cannot make {k} micro-batches from {len(seqlens)} rows")
+        heaviest = max(splittable, key=lambda p: sum(seqlens[i] for i in p))
+        parts.remove(heaviest)
+        halves = get_seqlen_balanced_partitions([seqlens[i] for i in heaviest], 2, equal_size=False)
+        parts.extend([[heaviest[j] for j in h] for h in halves])
+    return parts
+
+
+def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro_num_in_dp: bool = True):
+    """Split `batch` (DataProto or TensorDict with `attention_mask`) into token-budget micro-batches.
+
+    Returns (micro_batches, index_groups): micro_batches[j] holds the rows index_groups[j]
+    (ascending) of `batch`, of the same type as `batch`. Guarantees: Σ attention_mask of each
+    micro-batch ≤ max_token_len unless the micro-batch is one row that alone exceeds it; every
+    row appears exactly once; the groups are token-balanced. When torch.distributed is
+    initialized and same_micro_num_in_dp, the count is the maximum over `dp_group` (None = the
+    default group) so every rank runs the same number of forward/backward passes.
+    Restore per-row outputs with `get_reverse_idx([i for g in index_groups for i in g])`.
+    """
+    if max_token_len <= 0:
+        raise ValueError(f"`max_token_len` must be positive, got {max_token_len}")
+    td = batch.batch if hasattr(batch, "non_tensor_batch") else batch
+    seqlens = [int(s) for s in td["attention_mask"].sum(dim=-1).tolist()]
+    if not seqlens:
+        return [], []
+    parts = _min_feasible_partitions(seqlens, max_token_len)
+    if same_micro_num_in_dp and dist.is_available() and dist.is_initialized():
+        count = torch.tensor([len(parts)], dtype=torch.int64, device=td["attention_mask"].device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        k = int(count.item())
+        if k > len(seqlens):
+            raise ValueError(f"another data-parallel rank needs {k} micro-batches but this rank has only "
+                             f"{len(seqlens)} rows; give every rank the same number of rows")
+        if k > len(parts):
+            # Try a fresh balanced k-way split first (better balance), else split existing groups.
+            parts = _budget_partitions(seqlens, max_token_len, k) or _split_to_count(parts, seqlens, k)
+    parts = sorted(parts, key=lambda p: p[0])
+    micro_batches = [batch.select_idxs(p) if hasattr(batch, "select_idxs") else batch[torch.tensor(p)] for p in parts]
+    return micro_batches, parts
+
+
+def split_micro_batches(batch, use_dynamic_bsz: bool, micro_batch_size: int | None = None,
+                        max_token_len: int | None = None, dp_group=None):
+    """Micro-batches of a (mini-)batch: token-budget (`use_dynamic_bsz`) or `micro_batch_size` rows.
+
+    Returns (micro_batches, index_groups); with fixed sizes the groups are consecutive ranges, so
+    the concatenated outputs are already in input order.
+    """
+    td = batch.batch if hasattr(batch, "non_tensor_batch") else batch
+    if use_dynamic_bsz:
+        if max_token_len is None:
+            raise ValueError("use_dynamic_bsz needs a token budget (`max_token_len`)")
+        return rearrange_micro_batches(batch, int(max_token_len), dp_group=dp_group)
+    if not micro_batch_size or micro_batch_size <= 0:
+        raise ValueError(f"a positive micro batch size is needed without use_dynamic_bsz, got {micro_batch_size}")
+    n = td.batch_size[0]
+    groups = [list(range(s, min(n, s + micro_batch_size))) for s in range(0, n, micro_batch_size)]
+    micro = [batch.slice(g[0], g[-1] + 1) if hasattr(batch, "select_idxs") else batch[g[0]:g[-1] + 1] for g in groups]
+    return micro, groups
+
+
+# --------------------------------------------------------------------------------------------
+# Data-parallel balancing (trainer.balance_batch)
+# --------------------------------------------------------------------------------------------
+def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int) -> list[int]:
+    """Row order for token-balanced data-parallel shards.
+
+    Returns a permutation `order` of 0..n−1 (n divisible by dp_size): after
+    `data.reorder(order)`, `data.chunk(dp_size)[r]` is rank r's shard; each shard has n/dp_size
+    rows and the shard token sums are Karmarkar–Karp balanced. Rows keep ascending order inside
+    a shard.
+    """
+    lens = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
+    parts = get_seqlen_balanced_partitions(lens, dp_size, equal_size=True)
+    return [i for p in parts for i in p]

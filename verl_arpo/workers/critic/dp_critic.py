@@ -1,0 +1,149 @@
+"""The data-parallel PPO critic: values of response positions and the clipped value update.
+
+The critic module is an HF `AutoModelForTokenClassification` with num_labels=1 (Qwen2, Llama and
+most decoder LMs provide it via transformers' GenericForTokenClassification: the base model plus a
+`score` Linear head). V(s_t) of response slot t is logits[..., 0] at position −R−1+t, i.e. the
+value of the state *before* the response token is emitted. Note that head applies a dropout
+(config.classifier_dropout, default 0.1 for Qwen2) in train mode; the worker should load the
+critic with classifier_dropout=0 as verl does, or value targets become noisy.
+
+Micro-batching and loss scaling follow the actor (see dp_actor): the mini-batch's global counts,
+summed over the data-parallel group, normalise every micro-batch, so fixed, token-budget and
+data-parallel splits give the gradient of the same mini-batch objective
+    vf_loss = ½ · agg_loss(max((V − R)², (clip(V, V_old ± c) − R)²), m).
+core_algos.compute_value_loss aggregates with local counts; we rescale its result by
+local_count / global_count · dp_size (exact, since agg_loss divides by that count).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from verl_arpo.trainer.ppo.core_algos import compute_value_loss
+from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
+from verl_arpo.workers.actor.dp_actor import (
+    _TokenWeighted,
+    cfg_get,
+    clip_grad_and_step,
+    global_loss_counts,
+    maybe_reshard,
+    packing_supported,
+    response_forward,
+    unpack,
+)
+
+__all__ = ["DataParallelPPOCritic"]
+
+
+def _local_to_global(loss: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, agg: dict) -> torch.Tensor:
+    """Turn a loss aggregated over this micro-batch's counts into its share of the mini-batch
+    objective (× dp_size for FSDP's gradient averaging)."""
+    if loss_agg_mode == "token-mean":
+        local, total = mask.sum().clamp(min=1), agg["batch_num_tokens"]
+    else:
+        local, total = (mask.sum(-1) > 0).sum().clamp(min=1), agg["global_batch_size"]
+    return loss * (local.to(loss.dtype) / max(total, 1.0) * agg["dp_size"])
+
+
+class DataParallelPPOCritic:
+    """PPO critic over a (possibly FSDP2-wrapped) HF token-classification model (num_labels=1).
+
+    config: the `critic` node (dict or DictConfig): ppo_mini_batch_size and
+    ppo_micro_batch_size_per_gpu per rank, use_dynamic_bsz, ppo_max_token_len_per_gpu,
+    forward_max_token_len_per_gpu, ppo_epochs, shuffle, grad_clip, cliprange_value,
+    loss_agg_mode, use_remove_padding (or model.use_remove_padding).
+    """
+
+    def __init__(self, config: Any, critic_module: torch.nn.Module, critic_optimizer=None, *, dp_group=None):
+        self.config = config
+        self.critic_module = critic_module
+        self.critic_optimizer = critic_optimizer
+        self.dp_group = dp_group
+        rmpad = cfg_get(config, "use_remove_padding", cfg_get(cfg_get(config, "model", {}), "use_remove_padding", False))
+        self.use_remove_padding = bool(rmpad)
+        if self.use_remove_padding:
+            ok, why = packing_supported(critic_module)
+            if not ok:
+                warnings.warn(f"critic use_remove_padding disabled: {why}; using padded batches", stacklevel=2)
+                self.use_remove_padding = False
+        self._shuffle_gen = torch.Generator().manual_seed(int(cfg_get(config, "shuffle_seed", 0)))
+
+    def _forward_micro_batch(self, micro) -> torch.Tensor:
+        """V at the response slots [B, R] (0 at slots without a real token)."""
+        r = micro["responses"].shape[-1]
+        logits, keep, packed = response_forward(self.critic_module, micro, r, self.use_remove_padding, causal_lm=False)
+        return unpack(logits[..., 0], keep, packed)
+
+    def compute_values(self, data) -> torch.Tensor:
+        """Values [B, R] × response_mask, in the input row order.
+
+        meta_info (else config): micro_batch_size (forward_micro_batch_size_per_gpu /
+        ppo_micro_batch_size_per_gpu), use_dynamic_bsz, max_token_len (forward_max_token_len_per_gpu).
+        """
+        c, meta = self.config, data.meta_info
+        use_dynamic = bool(meta.get("use_dynamic_bsz", cfg_get(c, "use_dynamic_bsz", False)))
+        micro_size = meta.get("micro_batch_size") or cfg_get(c, "forward_micro_batch_size_per_gpu",
+                                                             cfg_get(c, "ppo_micro_batch_size_per_gpu"))
+        max_len = meta.get("max_token_len") or cfg_get(c, "forward_max_token_len_per_gpu",
+                                                       cfg_get(c, "ppo_max_token_len_per_gpu"))
+        batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
+        micro_batches, groups = split_micro_batches(batch, use_dynamic, micro_size, max_len, dp_group=self.dp_group)
+        self.critic_module.eval()
+        with torch.no_grad():
+            values = torch.cat([self._forward_micro_batch(m) for m in micro_batches], dim=0)
+        maybe_reshard(self.critic_module)
+        order = [i for g in groups for i in g]
+        if order != list(range(len(order))):
+            values = values[torch.tensor(get_reverse_idx(order), device=values.device)]
+        r = values.shape[-1]
+        mask = data.batch["response_mask"] if "response_mask" in data.batch.keys() else data.batch["attention_mask"][:, -r:]
+        return values * mask.to(values.dtype)
+
+    def update_critic(self, data) -> dict[str, list]:
+        """`ppo_epochs` passes; one optimizer step per mini-batch. Metrics (one entry per
+        mini-batch): critic/vf_loss (the mini-batch objective), critic/vf_clipfrac and
+        critic/vpred_mean (token means over the mini-batch), critic/grad_norm."""
+        c = self.config
+        if self.critic_optimizer is None:
+            raise ValueError("update_critic needs an optimizer (critic_optimizer=None)")
+        keys = ["responses", "input_ids", "attention_mask", "position_ids", "values", "returns"]
+        batch = data.select(batch_keys=keys).batch
+        r = batch["responses"].shape[-1]
+        batch["response_mask"] = (data.batch["response_mask"] if "response_mask" in data.batch.keys()
+                                  else batch["attention_mask"][:, -r:])
+        mode = cfg_get(c, "loss_agg_mode", "token-mean")
+        cliprange_value = float(cfg_get(c, "cliprange_value", 0.5))
+        use_dynamic = bool(cfg_get(c, "use_dynamic_bsz", False))
+        metrics: dict[str, list] = defaultdict(list)
+        self.critic_module.train()
+        for _ in range(int(cfg_get(c, "ppo_epochs", 1))):
+            epoch_batch = batch
+            if cfg_get(c, "shuffle", False):
+                epoch_batch = batch[torch.randperm(batch.batch_size[0], generator=self._shuffle_gen)]
+            for mini in epoch_batch.split(int(cfg_get(c, "ppo_mini_batch_size", len(data)))):
+                agg = global_loss_counts(mini["response_mask"], self.dp_group)
+                micro_batches, _ = split_micro_batches(mini, use_dynamic, cfg_get(c, "ppo_micro_batch_size_per_gpu"),
+                                                       cfg_get(c, "ppo_max_token_len_per_gpu"), dp_group=self.dp_group)
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                means, vf_total = _TokenWeighted(), 0.0
+                for micro in micro_batches:
+                    mask = micro["response_mask"]
+                    vpreds = self._forward_micro_batch(micro)
+                    vf_loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask,
+                                                           cliprange_value=cliprange_value, loss_agg_mode=mode)
+                    vf_loss = _local_to_global(vf_loss, mask, mode, agg)
+                    vf_loss.backward()
+                    vf_total += vf_loss.item()
+                    n = mask.sum().clamp(min=1)
+                    means.add(mask.sum().item(), vf_clipfrac=clipfrac.item(),
+                              vpred_mean=((vpreds.detach() * mask).sum() / n).item())
+                grad_norm = clip_grad_and_step(self.critic_module, self.critic_optimizer, cfg_get(c, "grad_clip"), "critic")
+                metrics["critic/vf_loss"].append(vf_total)
+                for k, v in means.means().items():
+                    metrics[f"critic/{k}"].append(v)
+                metrics["critic/grad_norm"].append(grad_norm)
+        return dict(metrics)
