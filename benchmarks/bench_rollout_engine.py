@@ -130,6 +130,7 @@ def main(argv=None):
     from verl_arpo.utils.tiny_model import make_tiny_model
 
     torch.manual_seed(0)
+    load0 = os.getloadavg()[0]   # other jobs on the machine distort small-op timings: record it
     batch, plen, gen = (4, 300, 16) if args.quick else (8, 800, 32)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,6 +155,8 @@ def main(argv=None):
                 row["tok_per_s_vs_hf_bf16_kv"] = row["gen_tok_per_s"] / hf_bf16["gen_tok_per_s"]
                 rows.append(row)
     _print_table(rows)
+    print(f"load average at start/end: {load0:.1f} / {os.getloadavg()[0]:.1f} "
+          f"({os.cpu_count()} CPUs)")
     for r in rows:
         if "tok_per_s_vs_hf_bf16_kv" in r:
             print(f"vLLM start-up {r['startup_seconds']:.1f} s (not in the timings); vLLM / HF-KV "
@@ -161,6 +164,7 @@ def main(argv=None):
     meta = {"workload": {"trajectories": batch, "prompt_tokens": plen, "gen_tokens_per_round": gen,
                          "tool_tokens_per_round": 30, "rounds": 3},
             "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "load_avg_start_end": [load0, os.getloadavg()[0]],
                         "python": platform.python_version(), "torch": torch.__version__},
             "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -78,6 +78,9 @@ if [ -n "${WANDB_API_KEY:-}" ]; then
     LOGGER="[console, wandb]"
 fi
 
+case "${ACTOR_MODEL_PATH}${SAVE_PATH}" in
+    *"<"*) echo "Set ACTOR_MODEL_PATH and SAVE_PATH first (edit $0 or export them)" >&2; exit 2 ;;
+esac
 mkdir -p "$SAVE_PATH" "$ROLLOUT_SAVE_PATH"
 
 # ============================ Start Training ============================

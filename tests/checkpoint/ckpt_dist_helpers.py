@@ -24,11 +24,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
+            "transformers.models.qwen2.modeling_qwen2", "verl_arpo.utils.checkpoint", "ckpt_dist_helpers"]
+
+
 def run_spawned(fn, args: tuple, world: int, timeout: float = 120.0) -> None:
-    """Start `world` processes of fn(rank, world, *args); fail (and kill them) on error or timeout."""
+    """Start `world` fresh processes of fn(rank, world, *args); fail (killing them) on error/timeout.
+
+    Uses the "forkserver" start method with the heavy imports preloaded once in the server: each
+    worker is still a new process (no state shared with pytest or a previous run), but does not pay
+    the ~4 s of importing torch + transformers again on this loaded 2-core machine.
+    """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="spawn")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False, start_method="forkserver")
     deadline = time.time() + timeout
     while not ctx.join(timeout=1.0):
         if time.time() > deadline:

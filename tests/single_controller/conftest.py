@@ -1,6 +1,7 @@
-"""One Ray instance for the whole pytest session (4 logical CPUs on this 2-core machine: workers
-ask for 0.5–1 CPU), shut down at the end. If another fixture already started Ray, it is reused
-and left running."""
+"""Session fixtures: one Ray instance (4 logical CPUs on this 2-core machine; actors ask for
+0.5 CPU), one shared 2-bundle pool that admits two groups, and one 2-rank ``ToyWorker`` group.
+Everything is shut down at the end; a Ray instance started by someone else is reused and left
+running."""
 
 import os
 
@@ -23,3 +24,24 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_pool(ray_session):
+    """Two bundles of 1 CPU on one node; up to two groups (0.5 CPU per actor)."""
+    from verl_arpo.single_controller.ray import RayResourcePool
+
+    pool = RayResourcePool([2], use_gpu=False, cpus_per_bundle=1, max_colocate_count=2, name_prefix="shared")
+    yield pool
+    pool.remove()
+
+
+@pytest.fixture(scope="session")
+def toy_group(shared_pool):
+    from single_controller_workers import ToyWorker
+
+    from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    wg = RayWorkerGroup(shared_pool, RayClassWithInitArgs(ToyWorker, scale=10), name_prefix="toy", call_timeout=120)
+    yield wg
+    wg.shutdown()

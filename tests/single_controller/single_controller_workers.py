@@ -64,8 +64,23 @@ class ToyWorker(Worker):
         return DataProto.from_dict({"y": fn(data.batch["x"])})
 
 
+class DistWorker(Worker):
+    """torch.distributed only (no DataProto): a cheap second group for the colocation test."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def setup_dist(self) -> str:
+        self.init_process_group()
+        return dist.get_backend()
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+
 class FragileWorker(Worker):
-    """Methods that fail in the ways a real run can."""
+    """Methods that fail in the ways a real run can (imports neither torch nor DataProto)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def crash_on(self, rank_to_die: int, others_sleep: float) -> int:

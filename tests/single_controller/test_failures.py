@@ -16,7 +16,7 @@ from verl_arpo.single_controller.ray import (
 
 @pytest.fixture
 def fragile(ray_session):
-    pool = RayResourcePool([2], cpus_per_bundle=1)
+    pool = RayResourcePool([2], cpus_per_bundle=0.5)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(FragileWorker), name_prefix="fragile")
     yield wg
     wg.shutdown()

@@ -2,19 +2,13 @@
 
 import pytest
 import torch
-from single_controller_workers import ToyWorker
 
 from verl_arpo.protocol import DataProto
-from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 
-@pytest.fixture(scope="module")
-def group(ray_session):
-    pool = RayResourcePool([2], use_gpu=False, cpus_per_bundle=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ToyWorker, scale=10), name_prefix="toy", call_timeout=60)
-    yield wg
-    wg.shutdown()
-    pool.remove()
+@pytest.fixture
+def group(toy_group):
+    return toy_group
 
 
 def make(n: int) -> DataProto:

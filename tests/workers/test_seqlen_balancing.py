@@ -121,3 +121,16 @@ def test_balance_batch_indices():
     assert max(sums) - min(sums) < max(natural) - min(natural)
     with pytest.raises(ValueError):
         balance_batch_indices(lens[:30], 4)
+
+
+def test_split_to_count_keeps_budget():
+    """The path taken when another data-parallel rank needs more micro-batches than this one."""
+    from verl_arpo.utils.seqlen_balancing import _min_feasible_partitions, _split_to_count
+
+    lens = [7, 3, 9, 2, 4, 6]
+    parts = _min_feasible_partitions(lens, 20)
+    more = _split_to_count(parts, lens, 5)
+    assert len(more) == 5 and _is_partition(more, 6)
+    assert all(sum(lens[i] for i in p) <= 20 for p in more)
+    with pytest.raises(ValueError):
+        _split_to_count(parts, lens, 7)

@@ -14,12 +14,13 @@ the same ones, so a worker also runs outside Ray):
 How this differs from verl's ``Worker``:
 
 - The environment is the single source of truth: ``rank`` etc. are properties that read it, so a
-  subclass works even if it forgets ``super().__init__()``, and rank 0 (created before anyone knows
-  the master port) gets its address through :meth:`_set_master_addr_port`, which updates it.
-- No ``WorkerMeta`` / ``WorkerHelper`` / register-center actor: the group asks rank 0 for its node IP
-  and a free port (:meth:`_find_master_addr_port`) and passes them to the others at creation.
-- :meth:`init_process_group` is explicit (verl initialises inside the FSDP workers): the worker
-  calls it when it needs collectives; it is idempotent.
+  subclass works even if it forgets ``super().__init__()``.
+- No ``WorkerMeta`` / ``WorkerHelper`` / register-center actor: before creating the actors, the
+  group runs :func:`find_master_addr_port` as a small task in rank 0's bundle (same node as rank 0)
+  and gives the answer to every rank at creation, so even ``__init__`` may call
+  :meth:`init_process_group`.
+- :meth:`init_process_group` is explicit and idempotent; workers call it when they need
+  collectives (in ``__init__`` or later).
 - No NPU / ``hccl`` support and no ``CUDA_VISIBLE_DEVICES`` juggling: Ray assigns GPUs per actor.
 """
 
@@ -59,6 +60,13 @@ def node_ip_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def find_master_addr_port() -> tuple[str, int]:
+    """This node's IP and a free port on it. ``RayWorkerGroup`` runs this as a Ray task in rank 0's
+    bundle before creating any actor, so every rank (rank 0 included) starts with ``MASTER_ADDR`` /
+    ``MASTER_PORT`` already set."""
+    return node_ip_address(), find_free_port()
 
 
 def find_free_port() -> int:
@@ -180,16 +188,7 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # -- used by RayWorkerGroup at start-up (not registered: called by name) -----------------------
-
-    def _find_master_addr_port(self) -> tuple[str, int]:
-        """This node's IP and a free port on it: rank 0 answers this to become the master."""
-        return node_ip_address(), find_free_port()
-
-    def _set_master_addr_port(self, addr: str, port: int) -> None:
-        """Record the rendezvous address (rank 0 learns it after its own creation)."""
-        os.environ["MASTER_ADDR"] = str(addr)
-        os.environ["MASTER_PORT"] = str(int(port))
+    # -- liveness ---------------------------------------------------------------------------------
 
     def _ping(self) -> bool:
         """Liveness probe: returns ``True``."""

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from verl_arpo.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+# verl_arpo.protocol (torch, tensordict) is imported where DataProto is needed, not here: a worker
+# process unpickling a registered method's tag then does not pay for it.
 
 __all__ = ["CallPlan", "Dispatch", "DISPATCH_ATTR", "MethodSpec", "get_method_spec", "plan_call", "register"]
 
@@ -152,6 +153,8 @@ def _plan_all_to_all(world_size: int, args: tuple, kwargs: dict) -> CallPlan:
 
 
 def _plan_dp(world_size: int, args: tuple, kwargs: dict, mode_name: str) -> CallPlan:
+    from verl_arpo.protocol import DataProto, pad_dataproto_to_divisor
+
     protos = [v for v in (*args, *kwargs.values()) if isinstance(v, DataProto)]
     if not protos:
         raise ValueError(f"{mode_name}: needs at least one DataProto argument")
@@ -184,6 +187,8 @@ def _plan_dp(world_size: int, args: tuple, kwargs: dict, mode_name: str) -> Call
 def collect_dp_outputs(outputs: list, rows: int, pads: list[int], mode_name: str = "DP_COMPUTE_PROTO") -> Any:
     """Concatenate per-rank ``DataProto`` outputs, dropping ``pads[r] * k_r`` trailing rows of rank
     ``r``'s output where ``k_r = len(output) / rows`` (see module docstring)."""
+    from verl_arpo.protocol import DataProto, unpad_dataproto
+
     is_proto = [isinstance(o, DataProto) for o in outputs]
     if not any(is_proto):
         return list(outputs)

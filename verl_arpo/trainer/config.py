@@ -368,6 +368,15 @@ def _check_files(c: DictConfig, add: Callable[[str, str], None]) -> None:
                 "built-in scorers chosen by data_source")
         elif p.suffix != ".py":
             add("custom_reward_function.path", f"{str(path)!r} is not a Python (.py) file")
+        else:  # import it now (the driver would, after Ray is up): a broken file fails here
+            from verl_arpo.utils.reward_score.custom import load_custom_reward_function
+
+            name = _select(c, "custom_reward_function.name", "compute_score")
+            try:
+                load_custom_reward_function(str(p), name)
+            except Exception as exc:  # noqa: BLE001 - any error of the user's file is a config problem
+                leaf = "name" if isinstance(exc, AttributeError) else "path"
+                add(f"custom_reward_function.{leaf}", f"{type(exc).__name__}: {exc}")
     if _select(c, "reward_model.enable", False) is True:
         add("reward_model.enable", "model-based rewards are not supported: set it to false (rule-based scorers)")
 
@@ -380,6 +389,11 @@ def _check_trainer(c: DictConfig, add: Callable[[str, str], None]) -> None:
     device = _select(c, "trainer.device", "auto")
     if device not in DEVICES:
         add("trainer.device", f"unknown {device!r}; accepted: {list(DEVICES)}")
+    elif device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            add("trainer.device", "cuda requested but no CUDA device is visible: use trainer.device=cpu or auto")
     mode = _select(c, "trainer.resume_mode", "auto")
     if mode not in RESUME_MODES:
         add("trainer.resume_mode", f"unknown {mode!r}; accepted: {list(RESUME_MODES)}")

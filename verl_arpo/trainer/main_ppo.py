@@ -40,15 +40,18 @@ def format_config(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(mask_secrets(cfg)))
 
 
-def _write_masked_config(cfg: DictConfig) -> None:
-    """Save the masked config into the Hydra run dir (when running under Hydra)."""
-    from hydra.core.hydra_config import HydraConfig
+def save_masked_config(cfg: DictConfig, out_dir: str | Path | None = None) -> Path | None:
+    """Write the masked config to `<out_dir>/config.yaml`; default out_dir: the Hydra run dir (None outside Hydra)."""
+    if out_dir is None:
+        from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(format_config(cfg), encoding="utf-8")
+        if not HydraConfig.initialized():
+            return None
+        out_dir = HydraConfig.get().runtime.output_dir
+    path = Path(out_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(format_config(cfg), encoding="utf-8")
+    return path
 
 
 def load_run_ppo():
@@ -79,7 +82,7 @@ def init_ray(cfg: DictConfig) -> bool:
     ray_cfg = cfg.get("ray_init", None) or {}
     runtime_env = dict(_plain(ray_cfg.get("runtime_env", None)) or {})
     env_vars = {**DEFAULT_RAY_ENV, **(runtime_env.get("env_vars") or {})}
-    runtime_env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
+    runtime_env["env_vars"] = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env_vars.items()}
     address = ray_cfg.get("address", None)
     if address:
         ray.init(address=str(address), runtime_env=runtime_env)
@@ -94,7 +97,7 @@ def run(cfg: DictConfig) -> Any:
     """Print, validate, start Ray, train. Raises ConfigError before anything is started."""
     print(format_config(cfg), flush=True)
     validate_config(cfg)
-    _write_masked_config(cfg)
+    save_masked_config(cfg)
     run_ppo = load_run_ppo()
     started = init_ray(cfg)
     try:

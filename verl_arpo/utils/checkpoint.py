@@ -59,6 +59,7 @@ META_FILE = "checkpoint_meta.json"
 FORMAT = "verl_arpo.dcp/1"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _STAGING_RE = re.compile(r"^\.global_step_(\d+)\.partial$")
+_NEARLY_FULL = 64 * 1024**2  # below this many free bytes, a failed write is reported as disk full
 
 
 class CheckpointSaveError(OSError):
@@ -264,20 +265,41 @@ def _root_of(path: str) -> str | None:
         cur = parent
 
 
-def _reason(exc: BaseException) -> str:
-    """A one-line reason, digging through DCP's CheckpointException for the first OSError."""
-    todo, seen = [exc], set()
+def _reason(exc: BaseException, path: str) -> str:
+    """A one-line reason; "disk full" when an errno says so or the filesystem is (nearly) full.
+
+    Looks through DCP's CheckpointException (per-rank failures) and exception chains: a short write
+    inside torch.save surfaces as a RuntimeError ("unexpected pos"), not as ENOSPC.
+    """
+    todo, seen, found = [exc], set(), []
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return "no space left on device (disk full)"
+        found.append(e)
         if isinstance(e, CheckpointException):
             todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
         todo.extend([e.__cause__, e.__context__])
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+           or "No space left" in str(e) for e in found):
+        return "no space left on device (disk full)"
+    first = next((e for e in found if not isinstance(e, CheckpointException)), exc)
+    text = f"{type(first).__name__}: {first}".splitlines()[0]
+    free = _free_bytes(path)
+    if free is not None and free < _NEARLY_FULL:
+        return f"no space left on device (disk full: {free} bytes free; error: {text})"
+    return text
+
+
+def _free_bytes(path: str) -> int | None:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _failure_message(path: str, exc: BaseException) -> str:
@@ -285,7 +307,7 @@ def _failure_message(path: str, exc: BaseException) -> str:
     prev = find_latest_ckpt_path(root) if root else None
     tail = (f"the previous checkpoint {prev} is intact and is the one resume will use"
             if prev else "no earlier checkpoint exists under this root")
-    return f"could not write checkpoint to {path}: {_reason(exc)}. Nothing was published; {tail}."
+    return f"could not write checkpoint to {path}: {_reason(exc, path)}. Nothing was published; {tail}."
 
 
 # --------------------------------------------------------------------------- model helpers

@@ -94,7 +94,8 @@ def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int
     if n < k_partitions:
         raise ValueError(f"cannot split {n} rows into {k_partitions} non-empty partitions")
     if equal_size and n % k_partitions != 0:
-        raise ValueError(f"equal_size partitions need len(seqlen_list) ({n}) divisible by k_partitions ({k_partitions})")
+        raise ValueError(f"equal_size partitions need len(seqlen_list) ({n}) divisible by "
+                         f"k_partitions ({k_partitions})")
     parts = _ldm_partition([int(s) for s in seqlen_list], k_partitions, equal_size)
     if any(len(p) == 0 for p in parts):  # cannot happen for n ≥ k (each merge fills min(k, a+b) buckets)
         raise RuntimeError("internal error: an empty partition was produced")

@@ -1,11 +1,13 @@
 """``RayWorkerGroup``: one Ray actor per bundle of a :class:`RayResourcePool`, driven as one object.
 
-Start-up. Rank 0's actor is created first (in bundle 0 of the first placement group) and asked for
-its node IP and a free port: that is ``MASTER_ADDR`` / ``MASTER_PORT``. Then every other rank is
-created with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` in ``runtime_env["env_vars"]`` (rank 0 gets the master pair through a call), plus
-``RAY_USAGE_STATS_ENABLED=0`` and ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = the actor's whole CPU
-share (at least 1) unless ``env_vars`` overrides them. The group waits until every actor answers
+Start-up. First a resource-free Ray task runs in rank 0's bundle (bundle 0 of the first placement
+group, so on rank 0's node) and reports that node's IP and a free port: ``MASTER_ADDR`` /
+``MASTER_PORT``. Then all actors are created at once, each with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in ``runtime_env["env_vars"]``,
+plus ``RAY_USAGE_STATS_ENABLED=0`` and ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = the actor's whole
+CPU share (at least 1) unless ``env_vars`` overrides them. (Asking rank 0's actor itself, as a first
+draft did, serialises two actor start-ups and leaves rank 0's ``__init__`` without a master address;
+the task gives the same node and the same kind of port.) The group waits until every actor answers
 :meth:`Worker.get_node_info` and keeps the answers (``wg.node_infos``) for error messages.
 
 Calls. Every method of the worker class tagged with ``@register`` becomes a method of the group:
@@ -46,7 +48,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from verl_arpo.single_controller.base import Worker
+from verl_arpo.single_controller.base import Worker, find_master_addr_port
 from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, get_method_spec, plan_call
 from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
 
@@ -190,30 +192,32 @@ class RayWorkerGroup:
         local_world = self.resource_pool.local_world_size_list()
         local_rank = self.resource_pool.local_rank_list()
         slots = [(pg, b) for pg, count in zip(pgs, self.resource_pool.store) for b in range(count)]
+
+        # rank 0's node IP and a free port there, found by a resource-free task in rank 0's bundle
+        probe = ray.remote(find_master_addr_port).options(
+            num_cpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slots[0][0], placement_group_bundle_index=slots[0][1]),
+        )
+        try:
+            addr, port = ray.get(probe.remote(), timeout=init_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerGroupTimeoutError(f"could not reach rank 0's bundle within {init_timeout}s to pick a master port") from None
+        self.master_address, self.master_port = str(addr), int(port)
+
         remote_cls = ray.remote(self.worker_cls)
         cargs, ckwargs = self.ray_cls_with_init.args, self.ray_cls_with_init.kwargs
-
-        def env_for(rank: int) -> dict[str, str]:
+        for rank, (pg, bundle) in enumerate(slots):
             env = {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(local_rank[rank]),
                 "LOCAL_WORLD_SIZE": str(local_world[rank]),
+                "MASTER_ADDR": self.master_address,
+                "MASTER_PORT": str(self.master_port),
             }
-            if self.master_address is not None:
-                env.update(MASTER_ADDR=self.master_address, MASTER_PORT=str(self.master_port))
-            return env
-
-        pg0, b0 = slots[0]
-        self._workers.append(remote_cls.options(**self._actor_options(0, pg0, b0, env_for(0))).remote(*cargs, **ckwargs))
-        self.node_infos = [{"rank": 0}]  # placeholder so errors during start-up can name rank 0
-        addr, port = self._wait("_find_master_addr_port", [0], [self._workers[0]._find_master_addr_port.remote()], init_timeout)[0]
-        self.master_address, self.master_port = addr, int(port)
-        ray.get(self._workers[0]._set_master_addr_port.remote(addr, port))
-        for rank in range(1, world_size):
-            pg, b = slots[rank]
-            self._workers.append(remote_cls.options(**self._actor_options(rank, pg, b, env_for(rank))).remote(*cargs, **ckwargs))
-        self.node_infos = [{"rank": r} for r in range(world_size)]
+            options = self._actor_options(rank, pg, bundle, env)
+            self._workers.append(remote_cls.options(**options).remote(*cargs, **ckwargs))
+        self.node_infos = [{"rank": r} for r in range(world_size)]  # placeholders for start-up errors
         refs = [w.get_node_info.remote() for w in self._workers]
         self.node_infos = self._wait("get_node_info", list(range(world_size)), refs, init_timeout)
 

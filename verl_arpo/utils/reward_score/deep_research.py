@@ -35,7 +35,7 @@ import string
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
-from ._text import ground_truths, last_boxed, sanitize_text
+from verl_arpo.utils.reward_score._text import ground_truths, last_boxed, sanitize_text
 
 __all__ = ["compute_score", "check_format", "normalize_answer", "f1_score", "TOOL_TAGS"]
 

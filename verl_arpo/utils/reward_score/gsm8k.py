@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Optional
 
-from ._text import ground_truths, last_boxed_span, sanitize_text
+from verl_arpo.utils.reward_score._text import ground_truths, last_boxed_span, sanitize_text
 
 __all__ = ["compute_score", "extract_solution"]
 

@@ -34,7 +34,7 @@ import signal
 import time
 from typing import Any, Dict, Iterator, Optional
 
-from ._text import ground_truths, in_main_thread, last_boxed, sanitize_text
+from verl_arpo.utils.reward_score._text import ground_truths, in_main_thread, last_boxed, sanitize_text
 
 __all__ = ["compute_score", "extract_answer", "is_equiv", "MAX_ANSWER_CHARS"]
 

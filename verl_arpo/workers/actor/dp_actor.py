@@ -11,7 +11,8 @@ tokens for token-mean, `global_batch_size` = sequences with ≥ 1 valid token fo
 summed over the data-parallel group, and multiplied by dp_size because FSDP averages gradients.
 So Σ over micro-batches and ranks of the micro-batch gradients is ∇ of the mini-batch objective,
 and fixed, token-budget (use_dynamic_bsz) and data-parallel splits give the same gradient
-(verl before 0.5 weighted micro-batches by rows, which is exact only for equal-length rows).
+(older verl scaled each micro-batch mean by its share of rows, exact only when every micro-batch
+has the same number of valid tokens per row).
 
 AEPO (ALGORITHMS.md §2). `enable_entropy_balanced_clipping` selects the registered
 "entropy_balanced" policy loss. `enable_entropy_balanced_advantage` computes the full-vocabulary
@@ -21,20 +22,21 @@ A' = compute_entropy_aware_advantage(A, H, m, α) per micro-batch (z-statistics 
 micro-batch, as in the reference; so AEPO advantages, unlike the plain loss, depend on the split).
 
 use_remove_padding (packed sequences). The valid tokens of all rows are concatenated into one row
-with position_ids restarting at 0 and attention_mask=None. transformers ≥ 5 (checked: 5.19,
-masking_utils.find_packed_sequence_indices) infers the sequence boundaries from the position_ids
-and builds a block-diagonal causal mask for sdpa, eager and flex attention; flash_attention_2/3
-take the varlen path from the same position_ids. So packing works on CPU with sdpa and equals the
-padded forward (tests check this). The transformers docs recommend flash attention for packing:
-with sdpa the packed row gets a dense N×N mask (N = valid tokens of the micro-batch), so packing
-saves the MLP/lm-head work on padding but not attention work, and costs N² mask memory. Other
-attention backends (custom kernels without that mask logic) fall back to padded batches with a
-one-time warning, as do rows whose position_ids do not run 0..L−1.
+with position_ids restarting at 0 and attention_mask=None. transformers (checked in 5.19:
+masking_utils.find_packed_sequence_indices, called by create_causal_mask) infers the sequence
+boundaries from the position_ids and builds a block-diagonal causal mask for sdpa, eager and flex
+attention; flash_attention_2/3 take the varlen path from the same position_ids. So packing works
+on CPU with sdpa and equals the padded forward (tests check this). The transformers docs recommend
+flash attention for packing, and for a reason: with sdpa the packed row gets a dense N×N mask (N =
+valid tokens of the micro-batch), so packing saves the MLP/lm-head work on padding, but attention
+then costs N² instead of B·S² (more whenever N > S·√B) plus N² mask memory. On CPU it pays only
+for very unequal row lengths; on GPU use flash_attention_2. Other attention backends (custom
+kernels without that mask logic) fall back to padded batches with a one-time warning, as do rows
+whose position_ids do not run 0..L−1.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from collections import defaultdict
@@ -51,9 +53,8 @@ from verl_arpo.utils.torch_functional import (
     logprobs_from_logits,
 )
 
-__all__ = ["DataParallelPPOActor", "global_loss_counts", "clip_grad_and_step", "response_forward", "cfg_get"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DataParallelPPOActor", "global_loss_counts", "clip_grad_and_step", "response_forward", "unpack",
+           "packing_supported", "maybe_reshard", "TokenWeightedMeans", "cfg_get"]
 
 # Attention backends whose transformers mask/varlen logic detects packed rows from position_ids.
 PACKING_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -187,13 +188,12 @@ def clip_grad_and_step(module: torch.nn.Module, optimizer, grad_clip: float | No
     if math.isfinite(norm):
         optimizer.step()
     else:
-        logger.warning("%s: grad_norm is %s; skipping this optimizer step", name, norm)
         warnings.warn(f"{name}: grad_norm is {norm}; skipping this optimizer step", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
     return norm
 
 
-class _TokenWeighted:
+class TokenWeightedMeans:
     """Token-weighted running means of micro-batch metrics → exact mini-batch masked means."""
 
     def __init__(self) -> None:
@@ -244,7 +244,8 @@ class DataParallelPPOActor:
         """
         r = micro["responses"].shape[-1]
         logits, keep, packed = response_forward(self.actor_module, micro, r, self.use_remove_padding)
-        logits = logits / temperature
+        if temperature != 1.0:
+            logits = logits / temperature
         labels = micro["responses"][keep] if packed else micro["responses"]
         log_probs = unpack(logprobs_from_logits(logits, labels), keep, packed)
         entropy = None
@@ -260,17 +261,24 @@ class DataParallelPPOActor:
     def compute_log_prob(self, data, calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(response token) [B, R] (and entropy [B, R] or None), in the input row order.
 
-        meta_info: micro_batch_size, temperature (logits are divided by it), use_dynamic_bsz,
-        max_token_len (token budget per micro-batch when use_dynamic_bsz).
+        meta_info: temperature (required; logits are divided by it), micro_batch_size,
+        use_dynamic_bsz, max_token_len (token budget per micro-batch when use_dynamic_bsz); the last
+        three default to config log_prob_* keys, then to the ppo_* keys.
         """
-        meta = data.meta_info
+        meta, c = data.meta_info, self.config
         if "temperature" not in meta:
             raise KeyError("compute_log_prob needs meta_info['temperature'] (the rollout temperature)")
+        # meta_info wins; else the ref/rollout keys (log_prob_*), else the actor's ppo_* keys.
+        use_dynamic = meta.get("use_dynamic_bsz",
+                               cfg_get(c, "log_prob_use_dynamic_bsz", cfg_get(c, "use_dynamic_bsz", False)))
+        micro_size = meta.get("micro_batch_size") or cfg_get(c, "log_prob_micro_batch_size_per_gpu",
+                                                             cfg_get(c, "ppo_micro_batch_size_per_gpu"))
+        max_len = meta.get("max_token_len") or cfg_get(c, "log_prob_max_token_len_per_gpu",
+                                                       cfg_get(c, "ppo_max_token_len_per_gpu"))
         self.actor_module.eval()
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
-        micro_batches, groups = split_micro_batches(
-            batch, bool(meta.get("use_dynamic_bsz", False)), meta.get("micro_batch_size"),
-            meta.get("max_token_len"), dp_group=self.dp_group)
+        micro_batches, groups = split_micro_batches(batch, bool(use_dynamic), micro_size, max_len,
+                                                    dp_group=self.dp_group)
         log_probs, entropies = [], []
         with torch.no_grad():
             for micro in micro_batches:
@@ -305,8 +313,8 @@ class DataParallelPPOActor:
         aepo_adv = bool(cfg_get(c, "enable_entropy_balanced_advantage", False))
         mask = micro["response_mask"]
         # [fix] H is computed whenever the AEPO advantage needs it, not only when entropy_coeff != 0.
-        entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=aepo_adv or entropy_coeff != 0,
-                                                      entropy_grad=entropy_coeff != 0)
+        entropy, log_prob = self._forward_micro_batch(
+            micro, temperature, calculate_entropy=aepo_adv or entropy_coeff != 0, entropy_grad=entropy_coeff != 0)
         advantages = micro["advantages"]
         if aepo_adv:
             advantages = compute_entropy_aware_advantage(advantages, entropy.detach(), mask,
@@ -332,7 +340,8 @@ class DataParallelPPOActor:
     def update_policy(self, data) -> dict[str, list | float]:
         """`ppo_epochs` passes of PPO over `data`; one optimizer step per mini-batch of
         `ppo_mini_batch_size` rows. Returns verl-named metrics (lists: one entry per mini-batch;
-        losses are the mini-batch objective terms, fractions/entropy are mini-batch token means)."""
+        losses are the mini-batch objective terms — under DP each rank's share × dp_size, so the
+        mean over ranks is the objective —, fractions/entropy are this rank's token means)."""
         c = self.config
         if self.actor_optimizer is None:
             raise ValueError("update_policy needs an optimizer (actor_optimizer=None)")
@@ -362,7 +371,7 @@ class DataParallelPPOActor:
                     mini, use_dynamic, cfg_get(c, "ppo_micro_batch_size_per_gpu"),
                     cfg_get(c, "ppo_max_token_len_per_gpu"), dp_group=self.dp_group)
                 self.actor_optimizer.zero_grad(set_to_none=True)
-                means, sums = _TokenWeighted(), defaultdict(float)
+                means, sums = TokenWeightedMeans(), defaultdict(float)
                 for micro in micro_batches:
                     loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn)
                     loss.backward()

@@ -26,7 +26,7 @@ import torch
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.workers.actor.dp_actor import (
-    _TokenWeighted,
+    TokenWeightedMeans,
     cfg_get,
     clip_grad_and_step,
     global_loss_counts,
@@ -63,8 +63,8 @@ class DataParallelPPOCritic:
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.dp_group = dp_group
-        rmpad = cfg_get(config, "use_remove_padding", cfg_get(cfg_get(config, "model", {}), "use_remove_padding", False))
-        self.use_remove_padding = bool(rmpad)
+        model_rmpad = cfg_get(cfg_get(config, "model", {}), "use_remove_padding", False)
+        self.use_remove_padding = bool(cfg_get(config, "use_remove_padding", model_rmpad))
         if self.use_remove_padding:
             ok, why = packing_supported(critic_module)
             if not ok:
@@ -100,12 +100,14 @@ class DataParallelPPOCritic:
         if order != list(range(len(order))):
             values = values[torch.tensor(get_reverse_idx(order), device=values.device)]
         r = values.shape[-1]
-        mask = data.batch["response_mask"] if "response_mask" in data.batch.keys() else data.batch["attention_mask"][:, -r:]
+        keys = data.batch.keys()
+        mask = data.batch["response_mask"] if "response_mask" in keys else data.batch["attention_mask"][:, -r:]
         return values * mask.to(values.dtype)
 
     def update_critic(self, data) -> dict[str, list]:
         """`ppo_epochs` passes; one optimizer step per mini-batch. Metrics (one entry per
-        mini-batch): critic/vf_loss (the mini-batch objective), critic/vf_clipfrac and
+        mini-batch): critic/vf_loss (the mini-batch objective; under DP each rank's share × dp_size,
+        whose mean over ranks is the objective), critic/vf_clipfrac and
         critic/vpred_mean (token means over the mini-batch), critic/grad_norm."""
         c = self.config
         if self.critic_optimizer is None:
@@ -129,7 +131,7 @@ class DataParallelPPOCritic:
                 micro_batches, _ = split_micro_batches(mini, use_dynamic, cfg_get(c, "ppo_micro_batch_size_per_gpu"),
                                                        cfg_get(c, "ppo_max_token_len_per_gpu"), dp_group=self.dp_group)
                 self.critic_optimizer.zero_grad(set_to_none=True)
-                means, vf_total = _TokenWeighted(), 0.0
+                means, vf_total = TokenWeightedMeans(), 0.0
                 for micro in micro_batches:
                     mask = micro["response_mask"]
                     vpreds = self._forward_micro_batch(micro)
@@ -141,7 +143,8 @@ class DataParallelPPOCritic:
                     n = mask.sum().clamp(min=1)
                     means.add(mask.sum().item(), vf_clipfrac=clipfrac.item(),
                               vpred_mean=((vpreds.detach() * mask).sum() / n).item())
-                grad_norm = clip_grad_and_step(self.critic_module, self.critic_optimizer, cfg_get(c, "grad_clip"), "critic")
+                grad_norm = clip_grad_and_step(self.critic_module, self.critic_optimizer, cfg_get(c, "grad_clip"),
+                                               "critic")
                 metrics["critic/vf_loss"].append(vf_total)
                 for k, v in means.means().items():
                     metrics[f"critic/{k}"].append(v)

@@ -87,7 +87,11 @@ class BingSearchTool(BaseTool):
         retry_backoff: float = 1.0,
         mkt: Optional[str] = None,
         language: Optional[str] = None,
+        **unused: Any,
     ):
+        # Swapping class_path between search tools keeps the other tool's params: ignore them.
+        if unused:
+            logger.warning("BingSearchTool ignores params it does not use: %s", sorted(unused))
         api_key = "" if _placeholder(str(api_key or "")) else str(api_key)
         self._api_key = api_key or os.environ.get("BRIGHTDATA_API_KEY", "")
         self.zone = str(zone or os.environ.get("BRIGHTDATA_ZONE", ""))

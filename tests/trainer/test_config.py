@@ -1,0 +1,358 @@
+"""The trainer config: YAML contract, the seeds' override lists, validate / normalize / mask, the entry point."""
+import copy
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_arpo.trainer import main_ppo
+from verl_arpo.trainer.config import (ConfigError, mask_secrets, normalize_config, parse_logger, resolve_device,
+                                      validate_config)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+SEEDS = ROOT / "tests" / "fixtures" / "seed_overrides"
+SEED_SCRIPTS = ["arpo_7b_reasoning_1node", "aepo_qwen3_14b_deepresearch", "arpo_7b_reasoning_guide"]
+ENV = {**os.environ, "HYDRA_FULL_ERROR": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+# ------------------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """Real files for every path a config needs: model folder, data, reward function, run dir."""
+    d = tmp_path_factory.mktemp("cfg")
+    (d / "model").mkdir()
+    (d / "model" / "config.json").write_text("{}")
+    for name in ("train.parquet", "valid.parquet", "gaia.parquet", "hle.parquet"):
+        (d / name).write_bytes(b"")
+    (d / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                 "    return 0.0\n")
+    return d
+
+
+def seed_words(name: str, paths: Path) -> list[str]:
+    """The fixture's command-line words after shell expansion, with real temp paths for the placeholders."""
+    lines = [ln.strip() for ln in (SEEDS / f"{name}.txt").read_text().splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    assigns = [ln for ln in lines if _ASSIGN.match(ln)]
+    words = [ln for ln in lines if not _ASSIGN.match(ln)]
+    ours = {"PARENT_DIR": paths, "CONFIG_PATH": CONFIGS, "ACTOR_MODEL_PATH": paths / "model",
+            "TRAIN_FILES": paths / "train.parquet", "VALID_FILES": paths / "valid.parquet",
+            "SAVE_PATH": paths / "save", "ROLLOUT_SAVE_PATH": paths / "save" / "rollout",
+            "SEARCH_CACHE_PATH": paths / "cache.json", "CUSTOM_REWARD_FUNCTION_PATH": paths / "reward.py"}
+    if "gaia" in " ".join(assigns):
+        ours["VALID_FILES"] = f"[{paths / 'gaia.parquet'},{paths / 'hle.parquet'}]"
+    script = "\n".join(assigns + [f"{k}='{v}'" for k, v in ours.items()] + ["printf '%s\\0' " + " ".join(words)])
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return out.split("\0")[:-1]
+
+
+def split_cli(words: list[str]) -> tuple[str, list[str]]:
+    """(config name, overrides) from --config-path/--config-name + overrides."""
+    name, overrides = "ppo_trainer", []
+    for w in words:
+        if w.startswith("--config-name="):
+            name = w.split("=", 1)[1]
+        elif not w.startswith("--config-path="):
+            overrides.append(w)
+    return name, overrides
+
+
+def compose(name: str = "cpu_tiny", overrides: tuple = ()):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        return hydra_compose(config_name=name, overrides=list(overrides))
+
+
+def run_main(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verl_arpo.trainer.main_ppo", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def good_base(paths):
+    return compose("cpu_tiny", (f"actor_rollout_ref.model.path={paths / 'model'}",
+                                f"data.train_files={paths / 'train.parquet'}",
+                                f"data.val_files={paths / 'valid.parquet'}"))
+
+
+@pytest.fixture
+def good(good_base):
+    """A valid CPU config (cpu_tiny preset + temp paths) to break one value at a time."""
+    return copy.deepcopy(good_base)
+
+
+def problems_of(cfg) -> dict:
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    return dict(info.value.problems)
+
+
+# ------------------------------------------------------------------------------------------- YAML contract
+@pytest.mark.parametrize("name", ["ppo_trainer.yaml", "ppo_trainer_dr.yaml", "cpu_tiny.yaml"])
+def test_every_yaml_key_with_a_value_has_a_comment(name):
+    bad = []
+    for no, line in enumerate((CONFIGS / name).read_text().splitlines(), 1):
+        m = re.match(r"^\s*([\w.@-]+):(.*)$", line)
+        if m and (m.group(2).strip() and not m.group(2).strip().startswith("#") or m.group(1) == "defaults"):
+            if " # " not in line and not line.rstrip().endswith("#"):
+                bad.append(f"{name}:{no}: {line.strip()}")
+    assert not bad, "keys without a trailing comment:\n" + "\n".join(bad)
+
+
+def test_presets_compose_and_are_valid(good, paths):
+    validate_config(good)
+    dr = compose("ppo_trainer_dr")
+    assert dr.actor_rollout_ref.rollout.tools.tool_instances.search.class_path.endswith("BingSearchTool")
+    assert dr.custom_reward_function.path.endswith("deep_research.py")
+    assert dr.data.train_batch_size == 64 and dr.actor_rollout_ref.rollout.n == 12
+
+
+# ------------------------------------------------------------------------------------------- seed scripts
+@pytest.mark.parametrize("name", SEED_SCRIPTS + ["doc_snippets"])
+def test_seed_overrides_compose_with_cfg_job(name, paths, tmp_path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = seed_words(name, paths)
+    proc = run_main(["--cfg", "job", *words], cwd=tmp_path)  # any cwd works
+    assert proc.returncode == 0, proc.stderr
+    printed = OmegaConf.create(proc.stdout)
+    checked = 0
+    for override in OverridesParser.create().parse_overrides(split_cli(words)[1]):
+        if override.key_or_group.startswith("hydra."):
+            continue
+        assert OmegaConf.select(printed, override.key_or_group) == override.value(), override.input_line
+        checked += 1
+    assert checked >= 15 or name == "doc_snippets"
+
+
+@pytest.mark.parametrize("name", SEED_SCRIPTS)
+def test_seed_overrides_pass_validation(name, paths):
+    import importlib.util
+
+    config_name, overrides = split_cli(seed_words(name, paths))
+    if importlib.util.find_spec("vllm") is None:  # the seeds ask for vLLM (GPU); validate the rest with hf
+        overrides = [o.replace("rollout.name=vllm", "rollout.name=hf") for o in overrides]
+    cfg = compose(config_name, overrides)
+    validate_config(cfg)
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable in ("", True)  # the seeds' unset ${ENABLE_MULTI_TURN}
+
+
+def test_unknown_key_fails_with_hydras_message(tmp_path):
+    proc = run_main(["--cfg", "job", "actor_rollout_ref.rollout.no_such_key=1"], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Could not override 'actor_rollout_ref.rollout.no_such_key'" in proc.stderr
+    assert "Key 'no_such_key' is not in struct" in proc.stderr
+
+
+def test_tool_yaml_can_be_merged_as_a_group():
+    cfg = compose("ppo_trainer", ["+tools@actor_rollout_ref.rollout=python_bing"])
+    assert cfg.actor_rollout_ref.rollout.tools.tool_instances.search.class_path.endswith("BingSearchTool")
+
+
+@pytest.mark.parametrize("script,aepo", [("ARPO_7B_Reasoning_1node", False), ("ARPO_14B_DeepSearch_1node", False),
+                                         ("AEPO_Qwen3_14B_DeepResearch", True), ("AEPO_Qwen25_7B_DeepResearch", True)])
+def test_launch_scripts_compose(script, aepo, paths, tmp_path):
+    env = {**ENV, "ACTOR_MODEL_PATH": str(paths / "model"), "SAVE_PATH": str(tmp_path / "save"),
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / f"{script}.sh"), "--cfg", "job"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = OmegaConf.create(proc.stdout.split("\n", 1)[1])  # after "Switched to parent directory"
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert actor.enable_entropy_balanced_clipping is aepo and actor.enable_entropy_balanced_advantage is aepo
+    assert rollout.multi_turn.enable is True
+    assert rollout.tools.tool_instances.search.class_path.endswith("BingSearchTool")
+    assert cfg.actor_rollout_ref.model.path == str(paths / "model")
+    assert (tmp_path / "save" / "run.log").exists()
+
+
+def test_cpu_tiny_script_composes(paths, tmp_path):
+    env = {**ENV, "MODEL_DIR": str(paths / "model"), "WORK_DIR": str(tmp_path / "work"), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "cpu_tiny_arpo.sh"), "--cfg", "job"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.trainer.n_gpus_per_node == 2 and cfg.trainer.device == "cpu"
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.rollout.n == 4
+    assert list(cfg.trainer.logger) == ["console", "jsonl"]
+
+
+# ------------------------------------------------------------------------------------------- validation rules
+RULES = [  # (override, key named in the error)
+    ("actor_rollout_ref.rollout.initial_rollouts=8", "actor_rollout_ref.rollout.initial_rollouts"),  # n=4 < 8
+    ("trainer.n_gpus_per_node=3", "data.train_batch_size"),  # 2 prompts × n=4 = 8 trajectories over 3 workers
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("actor_rollout_ref.model.path=/no/such/model", "actor_rollout_ref.model.path"),
+    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
+    ("actor_rollout_ref.actor.loss_agg_mode=token-sum", "actor_rollout_ref.actor.loss_agg_mode"),
+    ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator"),
+    ("actor_rollout_ref.actor.kl_loss_type=k9", "actor_rollout_ref.actor.kl_loss_type"),
+    ("actor_rollout_ref.rollout.entropy_mode=renyi", "actor_rollout_ref.rollout.entropy_mode"),
+    ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+    ("trainer.logger=[console,mlflow]", "trainer.logger"),
+    ("trainer.device=tpu", "trainer.device"),
+    ("data.train_files=/no/such.parquet", "data.train_files"),
+    ("custom_reward_function.path=/no/such_reward.py", "custom_reward_function.path"),
+    ("custom_reward_function.name=no_such_fn", "custom_reward_function.name"),
+    ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.mode"),
+    ("actor_rollout_ref.rollout.branch_probability=1.5", "actor_rollout_ref.rollout.branch_probability"),
+    ("algorithm.kl_penalty=k9", "algorithm.kl_penalty"),
+    ("trainer.resume_mode=resume_path", "trainer.resume_from_path"),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+]
+
+
+@pytest.mark.parametrize("override,key", RULES, ids=[k for _, k in RULES])
+def test_each_bad_value_fails_naming_its_key(good, paths, override, key):
+    k, _, v = override.partition("=")
+    extra = ["actor_rollout_ref.actor.use_dynamic_bsz=true"] if "max_token_len" in k else []
+    if k == "custom_reward_function.name":
+        extra = [f"custom_reward_function.path={paths / 'reward.py'}"]
+    cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([override, *extra]))
+    problems = problems_of(cfg)
+    assert key in problems, problems
+    assert key in str(ConfigError(list(problems.items())))
+
+
+def test_missing_model_path_and_gae_without_critic(good):
+    cfg = compose("ppo_trainer")  # model.path: ???
+    assert "actor_rollout_ref.model.path" in problems_of(cfg)
+    cfg = OmegaConf.merge(good, {"algorithm": {"adv_estimator": "gae"}, "critic": {"model": {"path": None}}})
+    assert "critic" in problems_of(cfg)
+
+
+def test_all_problems_are_reported_at_once(good):
+    cfg = OmegaConf.merge(good, OmegaConf.from_dotlist(
+        ["actor_rollout_ref.rollout.name=x", "algorithm.adv_estimator=y", "actor_rollout_ref.actor.clip_ratio_c=0.5"]))
+    with pytest.raises(ConfigError, match=r"3 problem") as info:
+        validate_config(cfg)
+    assert isinstance(info.value, ValueError)
+    assert "accepted: ['hf', 'vllm']" in str(info.value)
+
+
+def test_run_validates_before_ray(good, monkeypatch):
+    started = []
+    monkeypatch.setattr(main_ppo, "init_ray", lambda cfg: started.append(cfg))
+    monkeypatch.setattr(main_ppo, "load_run_ppo", lambda: started.append("import"))
+    bad = OmegaConf.merge(good, {"actor_rollout_ref": {"rollout": {"n": 1}}})  # initial_rollouts=2 > n
+    with pytest.raises(ConfigError, match="initial_rollouts"):
+        main_ppo.run(bad)
+    assert started == []
+
+
+def test_main_with_a_bad_value_exits_quickly_without_ray(paths, tmp_path):
+    t0 = time.monotonic()
+    proc = run_main(["--config-name=cpu_tiny", f"actor_rollout_ref.model.path={paths / 'model'}",
+                     f"data.train_files={paths / 'train.parquet'}", f"data.val_files={paths / 'valid.parquet'}",
+                     "actor_rollout_ref.rollout.initial_rollouts=9",
+                     "actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key=sk-NOT-PRINTED"],
+                    cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "actor_rollout_ref.rollout.initial_rollouts" in proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr and not list(tmp_path.glob("**/ray*"))
+    assert "sk-NOT-PRINTED" not in proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+# ------------------------------------------------------------------------------------------- normalize
+def test_normalize_fills_run_time_fields_on_a_copy(good):
+    cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([
+        "actor_rollout_ref.actor.max_grad_norm=0.5", "actor_rollout_ref.rollout.log_prob_micro_batch_size=8",
+        "trainer.logger=[console, jsonl]", "actor_rollout_ref.rollout.multi_turn.enable="]))
+    cfg.trainer.logger = "[console, jsonl]"  # the seeds' string form
+    before = OmegaConf.to_container(cfg)
+    out = normalize_config(cfg)
+    assert OmegaConf.to_container(cfg) == before  # not mutated
+    actor = out.actor_rollout_ref.actor
+    assert actor.ppo_mini_batch_size == 1 * 4 // 2  # prompts × n ÷ workers
+    assert actor.grad_clip == 0.5
+    assert out.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 8 // 2
+    assert out.actor_rollout_ref.rollout.multi_turn.enable is True
+    assert list(out.trainer.logger) == ["console", "jsonl"] and out.trainer.device == "cpu"
+    assert out.trainer.config_normalized is True
+    again = normalize_config(out)  # idempotent: no second division
+    assert again.actor_rollout_ref.actor.ppo_mini_batch_size == actor.ppo_mini_batch_size
+    validate_config(out)  # a normalized config still validates
+    with pytest.raises(Exception):
+        out.trainer.no_such_key = 1  # struct mode kept
+
+
+def test_parse_logger_and_resolve_device():
+    assert parse_logger("[console, wandb]") == ["console", "wandb"] == parse_logger("console,wandb")
+    assert parse_logger(["jsonl"]) == ["jsonl"]
+    import torch
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="trainer.device"):
+            resolve_device("cuda")
+
+
+# ------------------------------------------------------------------------------------------- secrets
+def test_mask_secrets_nested(monkeypatch):
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", "bd-env-value-123")
+    params = {"api_key": "sk-1", "zone": "z", "API_KEY": "x", "url": "u?k=bd-env-value-123"}
+    cfg = {"tools": {"search": {"params": params}},
+           "hub": {"hf_token": "hf_x", "HF_TOKEN": "hf_y", "tokenizer": "tok/path", "ppo_max_token_len_per_gpu": 5},
+           "db": [{"password": "pw", "client_secret": "cs"}], "empty": {"api_key": None},
+           "ray": {"runtime_env": {"env_vars": {"WANDB_API_KEY": "wk", "OTHER": "1"}}}}
+    out = mask_secrets(OmegaConf.create(cfg))
+    assert isinstance(out, dict)
+    p = out["tools"]["search"]["params"]
+    assert p["api_key"] == p["API_KEY"] == "***" and p["zone"] == "z" and p["url"] == "u?k=***"
+    assert out["hub"] == {"hf_token": "***", "HF_TOKEN": "***", "tokenizer": "tok/path", "ppo_max_token_len_per_gpu": 5}
+    assert out["db"] == [{"password": "***", "client_secret": "***"}]
+    assert out["empty"]["api_key"] is None
+    assert out["ray"]["runtime_env"]["env_vars"] == {"WANDB_API_KEY": "***", "OTHER": "1"}
+    assert cfg["tools"]["search"]["params"]["api_key"] == "sk-1"  # input untouched
+    assert mask_secrets(compose("ppo_trainer"))["actor_rollout_ref"]["model"]["path"] == "???"
+
+
+def test_saved_config_is_masked(good, tmp_path):
+    cfg = OmegaConf.merge(good, {"actor_rollout_ref": {"rollout": {"tools": {"tool_instances": {
+        "search": {"params": {"api_key": "sk-SECRET"}}}}}}})
+    path = main_ppo.save_masked_config(cfg, tmp_path / "run")
+    text = path.read_text()
+    assert "sk-SECRET" not in text and "api_key: '***'" in text
+    assert OmegaConf.create(text).actor_rollout_ref.rollout.n == 4
+    assert main_ppo.save_masked_config(cfg) is None  # not under Hydra: nowhere to write
+
+
+# ------------------------------------------------------------------------------------------- Ray start-up
+class FakeRay:
+    def __init__(self):
+        self.calls = []
+
+    def is_initialized(self):
+        return bool(self.calls)
+
+    def init(self, **kwargs):
+        self.calls.append(kwargs)
+
+
+def test_init_ray_local_and_join(good, monkeypatch):  # a fake ray module: starting Ray here costs ~10 s
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    cfg = compose("cpu_tiny", ["+ray_init.runtime_env.env_vars.MY_VAR=1",
+                               "+ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM=true"])
+    assert main_ppo.init_ray(cfg) is True and main_ppo.init_ray(cfg) is False  # second call: already up
+    (kwargs,) = fake.calls
+    assert kwargs["num_cpus"] == 2 and kwargs["include_dashboard"] is False
+    assert kwargs["runtime_env"]["env_vars"] == {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "true",
+                                                 "MY_VAR": "1"}
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    main_ppo.init_ray(OmegaConf.merge(good, {"ray_init": {"address": "auto"}}))
+    assert fake.calls[0]["address"] == "auto" and "num_cpus" not in fake.calls[0]
