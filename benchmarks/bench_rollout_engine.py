@@ -121,6 +121,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM row")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0 = torch default); 1 is steadier on a shared machine")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "rollout_engine.json"))
     args = p.parse_args(argv)
 
@@ -130,6 +132,8 @@ def main(argv=None):
     from verl_arpo.utils.tiny_model import make_tiny_model
 
     torch.manual_seed(0)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]   # other jobs on the machine distort small-op timings: record it
     batch, plen, gen = (4, 300, 16) if args.quick else (8, 800, 32)
     rows = []

@@ -6,14 +6,15 @@ Two command-line forms, both accepted:
     python merge_ckpt/convert_verl_to_hf.py --verl_checkpoint ckpts/exp/global_step_200 \\
         --output_dir hf_ckpt/exp [--model_type qwen2] [--test_hf_dir REF]
     # verl's model_merger form
-    python merge_ckpt/convert_verl_to_hf.py merge --backend fsdp --local_dir ckpts/exp/global_step_200/actor \\
-        --target_dir hf_ckpt/exp
+    python merge_ckpt/convert_verl_to_hf.py merge --backend fsdp \\
+        --local_dir ckpts/exp/global_step_200/actor --target_dir hf_ckpt/exp
     python merge_ckpt/convert_verl_to_hf.py test --backend fsdp --local_dir .../actor --test_hf_dir REF
 
 The checkpoint path may be a `global_step_N` directory (its `actor/` is used; `--component critic`
-for the critic) or the component directory itself. The model state is read offline in one process
-(no process group, any number of shards) and written as safetensors (sharded above
-`--max_shard_size`), with the config, generation config and tokenizer saved in `huggingface/`.
+for the critic), the component directory itself, or a checkpoint root (its latest published
+step). The model state is read offline in one process (no process group, any number of shards)
+and written as safetensors (sharded above `--max_shard_size`), with the config, generation config
+and tokenizer saved in `huggingface/`.
 The output loads with `AutoModelForCausalLM.from_pretrained(output_dir)`.
 
 LoRA checkpoints (peft models): `--lora merge` (default) folds the adapter into the base weights
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import sys
@@ -43,10 +43,10 @@ if __package__ in (None, ""):  # run as a script from the repository root: make 
 
 import torch  # noqa: E402
 
+from verl_arpo.utils import checkpoint as ck  # noqa: E402
 from verl_arpo.utils.checkpoint import (  # noqa: E402
     load_model_state_offline,
     read_checkpoint_meta,
-    resolve_component_dir,
     save_hf_safetensors,
     tied_duplicate_keys,
 )
@@ -61,6 +61,24 @@ class MergeError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- building the weights
+def resolve_component_dir(path: str, component: str = "actor") -> str:
+    """Accept a component dir, a `global_step_N` dir or a checkpoint root; return the component dir."""
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, ck.META_FILE)):
+        return path
+    sub = os.path.join(path, component)
+    if os.path.isfile(os.path.join(sub, ck.META_FILE)):
+        return sub
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    latest = ck.find_latest_ckpt_path(path)  # a checkpoint root: take its latest published step
+    if latest and os.path.isfile(os.path.join(latest, component, ck.META_FILE)):
+        print(f"Using the latest checkpoint under {path}: {latest}")
+        return os.path.join(latest, component)
+    raise FileNotFoundError(f"{path} holds neither {ck.META_FILE} nor a complete '{component}/' "
+                            f"checkpoint (contents: {sorted(os.listdir(path))})")
+
+
 def _load_config(hf_dir: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
@@ -99,25 +117,26 @@ def _peft_model(actor_dir: str, meta: dict, config, state: dict, base_model: str
     lora = meta["lora"]
     peft_cfg = PeftConfig.from_pretrained(os.path.join(actor_dir, lora.get("config_dir", "lora_adapter")))
     name = lora.get("adapter_name", "default")
-    base = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                            dtype=torch.float32)
-    model = get_peft_model(base, peft_cfg, adapter_name=name)
+    base_path = base_model or peft_cfg.base_model_name_or_path or getattr(config, "_name_or_path", "")
+
+    def wrap(base):
+        base.name_or_path = base_path  # what peft records as the adapter's base model
+        return get_peft_model(base, peft_cfg, adapter_name=name)
+
+    model = wrap(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                  dtype=torch.float32))
     missing = [k for k in model.state_dict() if k not in state]
     if any("lora_" not in k for k in missing):  # base weights absent: take them from the base model
-        base_path = base_model or lora.get("base_model_name_or_path") or getattr(config, "_name_or_path", "")
         if not base_path:
             raise MergeError("the checkpoint lacks base weights; pass --base_model <HF dir>")
-        base = AutoModelForCausalLM.from_pretrained(base_path, trust_remote_code=trust_remote_code,
-                                                    dtype=torch.float32)
-        model = get_peft_model(base, peft_cfg, adapter_name=name)
+        model = wrap(AutoModelForCausalLM.from_pretrained(base_path, trust_remote_code=trust_remote_code,
+                                                          dtype=torch.float32))
         missing = [k for k in model.state_dict() if k not in state]
     if any("lora_" in k for k in missing):
         raise MergeError(f"LoRA weights missing from the checkpoint: {missing[:5]}")
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise MergeError(f"unexpected keys in the checkpoint: {result.unexpected_keys[:5]}")
-    if base_model:
-        peft_cfg.base_model_name_or_path = base_model
     return model
 
 
@@ -172,7 +191,7 @@ def merge_checkpoint(checkpoint: str, output_dir: str, *, component: str = "acto
         model.save_pretrained(output_dir, safe_serialization=True)
         _copy_tokenizer_files(hf_dir, output_dir)
         return output_dir
-    state, config, hf_dir = build_hf_state_dict(checkpoint, component=component, model_type=model_type,
+    state, config, hf_dir = build_hf_state_dict(actor_dir, component=component, model_type=model_type,
                                                 base_model=base_model, dtype=dtype,
                                                 trust_remote_code=trust_remote_code)
     for stale in glob.glob(os.path.join(output_dir, "model*.safetensors*")):
@@ -236,7 +255,8 @@ def run_test(checkpoint: str, test_hf_dir: str, *, atol: float = 1e-6, **build_k
         if state[key].shape == reference[key].shape and state[key].numel():
             worst = max(worst, (state[key].float() - reference[key].float()).abs().max().item())
     if problems:
-        print(f"FAILED: {len(problems)} of {len(set(state) | set(reference))} tensors differ from {test_hf_dir}")
+        total = len(set(state) | set(reference))
+        print(f"FAILED: {len(problems)} of {total} tensors differ from {test_hf_dir}")
         for line in problems[:50]:
             print("  " + line)
         return 1
@@ -308,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     build = dict(component=args.component, model_type=args.model_type, base_model=args.base_model,
                  dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     try:
+        checkpoint = resolve_component_dir(checkpoint, args.component)
         if output_dir:
             path = merge_checkpoint(checkpoint, output_dir, lora=args.lora,
                                     max_shard_size=_parse_size(args.max_shard_size), **build)

@@ -6,7 +6,7 @@
 Outputs (in --out, default rl_datasets/):
 - `train.parquet`, `valid.parquet`, `test.parquet`: verl rows (`data_source`, `prompt` = [system,
   user] messages, `ability`, `reward_model` = {ground_truth, style: "rule"}, `extra_info` =
-  {split, index, kind, template, question, tools});
+  {split, index, kind, template, question, entity, tools});
 - `sft_train.jsonl`: one `conversations` record per train question, written by a scripted solver
   that really calls the tools (sandboxed Python, BM25 search over search_cache/local_corpus.jsonl).
 
@@ -195,8 +195,10 @@ class Solver:
 
     @staticmethod
     def block(tag: str, content: str, output: str) -> str:
-        # the same text the rollout produces: the call, then " <result>\n...\n</result>"
-        return f"<{tag}>{content}</{tag}> <result>\n{output}\n</result>"
+        """The call and its result exactly as the rollout writes them (tool output verbatim)."""
+        from verl_arpo.workers.rollout.tool_text import RESULT_TEMPLATE
+
+        return f"<{tag}>{content}</{tag}>" + RESULT_TEMPLATE.format(text=output)
 
     def solve(self, q: dict) -> str | None:
         """The trajectory, or None when the tools do not give the expected answer."""
@@ -214,7 +216,7 @@ class Solver:
             out = self.call("python", q["code"])
             if out.strip() != q["answer"]:
                 return None
-            parts.append(self.block("python", q["code"], out.strip()))
+            parts.append(self.block("python", q["code"], out))
         parts.append(f"<answer> \\boxed{{{q['answer']}}} </answer>")
         return " ".join(parts)
 
@@ -265,7 +267,7 @@ def to_parquet_row(q: dict, split: str, index: int, system_prompt: str) -> dict:
         "ability": ABILITY[q["kind"]],
         "reward_model": {"ground_truth": q["answer"], "style": "rule"},
         "extra_info": {"split": split, "index": index, "kind": q["kind"], "template": q["template"],
-                       "question": q["question"], "tools": tools},
+                       "question": q["question"], "entity": q.get("entity", ""), "tools": tools},
     }
 
 

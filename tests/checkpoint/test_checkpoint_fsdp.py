@@ -94,6 +94,21 @@ def test_checkpoint_layout(runs):
     assert keys == set(runs["step1"]["state"])  # HF parameter names, no FSDP prefix
 
 
+def test_two_rank_checkpoint_loads_into_one_process(runs, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    with pytest.warns(UserWarning, match="RNG states are not restored"):
+        ck.FSDPCheckpointManager(model, opt, sched).load_checkpoint(
+            os.path.join(runs["root"], "global_step_1", "actor"))
+    ref = runs["step1"]["state"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    assert sched.last_epoch == 1 and len(opt.state_dict()["state"]) == len(list(model.parameters()))
+
+
 def test_disk_full_on_two_ranks_raises_everywhere(runs):
     if not runs["mounted"]:
         pytest.skip("cannot mount a tmpfs here")
@@ -129,7 +144,8 @@ def test_merge_verl_form_as_module_sharded(runs):
 
 def test_test_mode_passes_on_itself_and_fails_on_perturbed(runs, merged_seed_form, capsys):
     actor = os.path.join(runs["root"], "global_step_1", "actor")
-    assert conv.main(["test", "--backend", "fsdp", "--local_dir", actor, "--test_hf_dir", merged_seed_form]) == 0
+    argv = ["test", "--backend", "fsdp", "--local_dir", actor, "--test_hf_dir", merged_seed_form]
+    assert conv.main(argv) == 0
     perturbed = str(runs["base"] / "hf_perturbed")
     shutil.copytree(merged_seed_form, perturbed)
     from safetensors.torch import load_file, save_file
@@ -146,7 +162,8 @@ def test_test_mode_passes_on_itself_and_fails_on_perturbed(runs, merged_seed_for
 
 def test_model_type_mismatch_is_a_clear_error(runs, tmp_path, capsys):
     step_dir = os.path.join(runs["root"], "global_step_1")
-    rc = conv.main(["--verl_checkpoint", step_dir, "--output_dir", str(tmp_path / "o"), "--model_type", "llama"])
+    rc = conv.main(["--verl_checkpoint", step_dir, "--output_dir", str(tmp_path / "o"),
+                    "--model_type", "llama"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "--model_type llama" in err and "qwen2" in err

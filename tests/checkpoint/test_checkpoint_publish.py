@@ -165,11 +165,10 @@ def test_disk_full_raises_clear_error_and_keeps_previous(small_tmpfs, tiny_model
 
     # a full disk while publishing (the completeness marker cannot be written): nothing published
     staging = _fake_save(root, 3)
-    with open(filler, "ab") as f:
+    with open(filler, "ab", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 4096)
-                f.flush()
         except OSError:
             pass
     with pytest.raises(ck.CheckpointSaveError, match="is intact"):
@@ -177,3 +176,19 @@ def test_disk_full_raises_clear_error_and_keeps_previous(small_tmpfs, tiny_model
     assert Path(root, ck.TRACKER_FILE).read_text() == "1"
     assert not os.path.exists(ck.checkpoint_dir(root, 3))
     assert ck.find_latest_ckpt_path(root) == step1
+
+
+def test_hf_model_contents_write_a_loadable_folder(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model, _, tok = _trained_tiny(tiny_model_dir)
+    actor = str(tmp_path / "actor")
+    ck.FSDPCheckpointManager(model, processing_class=tok, checkpoint_contents=("model", "hf_model")
+                             ).save_checkpoint(actor, global_step=7)
+    assert ck.read_checkpoint_meta(actor)["contents"] == ["model", "hf_model"]
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(actor, "huggingface"), dtype=torch.float32)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match="no optimizer state"):
+        opt = torch.optim.AdamW(model.parameters())
+        ck.FSDPCheckpointManager(model, opt).load_checkpoint(actor)

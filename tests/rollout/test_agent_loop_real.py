@@ -19,35 +19,12 @@ from verl_arpo.workers.rollout.tools.local_search_tool import LocalSearchTool
 from verl_arpo.workers.rollout.tools.python_tool import PythonTool
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 
-PROMPT = "<|im_start|>user\nWhat is 12 * 34?<|im_end|>\n<|im_start|>assistant\n"
-TRAJ = [
-    "<think> compute </think> <python>print(12 * 34)</python>",
-    "<think> look up </think> <search>Vrorkmere founder</search>",
-]
+PROMPT = "<|im_start|>user\nWhat is 12 * 34?<|im_end|>\n<|im_start|>assistant\n"  # = conftest's chat prompt
 
 
 @pytest.fixture(scope="module")
-def tool_model(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
-    """The tiny model, over-fitted so that after the prompt it writes one of the TRAJ calls."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    tok = tiny_tokenizer
-    texts = [PROMPT + t for t in TRAJ] + [PROMPT + TRAJ[0] + " <result>\n408\n</result> <answer> \\boxed{408} </answer>"]
-    batch = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
-    width = max(map(len, batch))
-    ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
-    mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
-    labels = ids.masked_fill(mask == 0, -100)
-    for _ in range(60):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    out = tmp_path_factory.mktemp("tool_model")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+def tool_model(tool_model_dir):
+    return tool_model_dir
 
 
 def _prompts(tok, k):

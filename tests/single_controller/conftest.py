@@ -19,7 +19,7 @@ def ray_session():
     ray.cloudpickle.register_pickle_by_value(single_controller_workers)
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False)
+        ray.init(num_cpus=8, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False)
         started = True
     yield ray
     if started:

@@ -94,8 +94,22 @@ class FragileWorker(Worker):
         time.sleep(seconds)
         return self.rank
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def nap_later(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def raise_on(self, rank_to_fail: int) -> int:
         if self.rank == rank_to_fail:
             raise ValueError(f"bad input on rank {self.rank}")
         return self.rank
+
+
+class BrokenInitWorker(Worker):
+    """Rank 1's constructor fails (e.g. a wrong model path)."""
+
+    def __init__(self):
+        super().__init__()
+        if self.rank == 1:
+            raise FileNotFoundError("no model at /nonexistent")

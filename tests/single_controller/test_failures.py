@@ -3,9 +3,10 @@
 import time
 
 import pytest
-from single_controller_workers import FragileWorker
+from single_controller_workers import BrokenInitWorker, FragileWorker
 
 from verl_arpo.single_controller.ray import (
+    PendingCall,
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
@@ -25,6 +26,10 @@ def fragile(ray_session):
 
 def test_exception_timeout_and_death(fragile):
     ip = fragile.node_infos[1]["ip"]
+
+    # 0. a non-blocking method returns at once; .get() collects
+    pending = fragile.nap_later(0.2)
+    assert isinstance(pending, PendingCall) and pending.get(timeout=30) == [0, 1]
 
     # 1. an exception in the method keeps its type and gains a note naming rank and method
     with pytest.raises(ValueError, match="bad input on rank 1") as info:
@@ -50,3 +55,12 @@ def test_exception_timeout_and_death(fragile):
     assert isinstance(info.value, WorkerGroupError)
     assert "rank 1" in message and f"node {ip}" in message and "FragileWorker.crash_on" in message and "died" in message
     assert elapsed < 20, elapsed
+
+
+def test_constructor_failure_names_the_rank(ray_session):
+    pool = RayResourcePool([2], cpus_per_bundle=0.5)
+    try:
+        with pytest.raises(WorkerGroupError, match=r"rank 1 .*died during BrokenInitWorker.get_node_info.*no model at /nonexistent"):
+            RayWorkerGroup(pool, RayClassWithInitArgs(BrokenInitWorker), init_timeout=60)
+    finally:
+        pool.remove()

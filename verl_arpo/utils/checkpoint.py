@@ -171,7 +171,7 @@ def publish_checkpoint(root: str, step: int, staging: str) -> str:
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(final, aside)
         os.rename(staging, final)
-        _fsync_dir(root)
+        _fsync(root)
         if aside:
             shutil.rmtree(aside, ignore_errors=True)
         _atomic_write_text(os.path.join(root, TRACKER_FILE), str(int(step)))
@@ -183,25 +183,21 @@ def publish_checkpoint(root: str, step: int, staging: str) -> str:
 def cleanup_old_checkpoints(root: str, keep: int | None) -> list[str]:
     """Delete all but the newest `keep` complete checkpoints (None or <= 0: keep all).
 
-    The checkpoint the tracker points to is never deleted. Stale staging directories of steps not
-    newer than the latest published one are removed too (call this only between saves).
-    Returns the removed paths.
+    The checkpoint the tracker points to is never deleted. Leftover staging directories of crashed
+    saves are removed too, so call this on the driver between saves only. Returns removed paths.
     """
     if not root or not os.path.isdir(root):
         return []
     latest = find_latest_ckpt_path(root)
     removed = []
-    found = list_checkpoints(root)
     if keep is not None and keep > 0:
-        for _, path in found[:-keep]:
+        for _, path in list_checkpoints(root)[:-keep]:
             if latest and os.path.samefile(path, latest):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-    latest_step = get_checkpoint_step(latest) if latest else None
-    for name in os.listdir(root):
-        m = _STAGING_RE.match(name)
-        if m and latest_step is not None and int(m.group(1)) <= latest_step:
+    for name in sorted(os.listdir(root)):
+        if _STAGING_RE.match(name) or name.endswith(".replaced"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(os.path.join(root, name))
     return removed
@@ -231,10 +227,10 @@ def _atomic_write_text(path: str, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    _fsync_dir(os.path.dirname(path) or ".")
+    _fsync(os.path.dirname(path) or ".")
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -245,12 +241,8 @@ def _fsync_dir(path: str) -> None:
 def _fsync_tree(top: str) -> None:
     for dirpath, _, files in os.walk(top):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
+            _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath)
 
 
 def _root_of(path: str) -> str | None:
@@ -313,9 +305,7 @@ def _failure_message(path: str, exc: BaseException) -> str:
 # --------------------------------------------------------------------------- model helpers
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The HF model inside a peft wrapper (FSDP2 keeps the module itself)."""
-    if _is_peft(model):
-        return model.get_base_model()
-    return model
+    return model.get_base_model() if _is_peft(model) else model
 
 
 def _is_peft(model) -> bool:
@@ -365,7 +355,7 @@ def _agree(error: str | None) -> list[str]:
 def tied_duplicate_keys(state_dict: dict, config) -> list[str]:
     """Keys HF does not store because they are tied to another (the LM head of tied models)."""
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not getattr(text_cfg, "tie_word_embeddings", False) and not getattr(config, "tie_word_embeddings", False):
+    if not (getattr(text_cfg, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)):
         return []
     out = []
     for head in [k for k in state_dict if k.endswith("lm_head.weight")]:
@@ -376,31 +366,35 @@ def tied_duplicate_keys(state_dict: dict, config) -> list[str]:
 
 
 def save_hf_safetensors(state_dict: dict, out_dir: str, max_shard_size: int = 5 * 1024**3) -> list[str]:
-    """Write `state_dict` as HF safetensors (`model.safetensors`, or shards + index); return files."""
+    """Write `state_dict` as HF safetensors (`model.safetensors`, or shards + index); return files.
+
+    Shards are written one at a time, so at most one shard is copied in memory.
+    """
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    shards, cur, cur_size = [], {}, 0
-    for key, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
-        if cur and cur_size + nbytes > max_shard_size:
-            shards.append(cur)
-            cur, cur_size = {}, 0
-        cur[key] = t.detach().to("cpu").contiguous().clone()
-        cur_size += nbytes
-    shards.append(cur)
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map, total = {}, 0
-    for name, shard in zip(names, shards):
+    nbytes = {k: t.numel() * t.element_size() for k, t in state_dict.items()}
+    groups, size = [[]], 0
+    for key in state_dict:
+        if groups[-1] and size + nbytes[key] > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes[key]
+    n = len(groups)
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    names = names if n > 1 else ["model.safetensors"]
+    for name, keys in zip(names, groups):
+        shard, seen = {}, set()
+        for k in keys:  # safetensors refuses tensors sharing storage: copy those
+            t = state_dict[k].detach().to("cpu").contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            shard[k] = t.clone() if ptr in seen else t
+            seen.add(ptr)
         save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        for k, t in shard.items():
-            weight_map[k] = name
-            total += t.numel() * t.element_size()
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    if n > 1:
+        index = {"metadata": {"total_size": sum(nbytes.values())},
+                 "weight_map": {k: name for name, keys in zip(names, groups) for k in sorted(keys)}}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     return names
@@ -440,18 +434,9 @@ class FSDPCheckpointManager:
         rank = _rank()
         try:
             os.makedirs(local_path, exist_ok=True)
-            _reshard(self.model)
-            with_optim = self.optimizer is not None and "optimizer" in contents
-            if with_optim:
-                model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            else:
-                model_sd, optim_sd = get_model_state_dict(self.model), None
             with _quiet_single_process():
-                if "model" in contents:
-                    dcp.save(model_sd, checkpoint_id=os.path.join(local_path, "model"), no_dist=not _dist_on())
-                if with_optim:
-                    dcp.save(optim_sd, checkpoint_id=os.path.join(local_path, "optim"), no_dist=not _dist_on())
-            del model_sd, optim_sd
+                for sub, sd in self._dcp_state_dicts():
+                    dcp.save(sd, checkpoint_id=os.path.join(local_path, sub), no_dist=not _dist_on())
             full_sd = None
             if "hf_model" in contents and not _is_peft(self.model):
                 opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -479,6 +464,14 @@ class FSDPCheckpointManager:
         if errors:
             raise CheckpointSaveError(errors[0] if len(errors) == 1 else "; ".join(errors))
 
+    def _dcp_state_dicts(self) -> list[tuple[str, dict]]:
+        """(DCP sub-directory, state dict) pairs named by the contents (FSDP2 modules resharded)."""
+        _reshard(self.model)
+        if self.optimizer is not None and "optimizer" in self.checkpoint_contents:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            return [("model", model_sd)] * ("model" in self.checkpoint_contents) + [("optim", optim_sd)]
+        return [("model", get_model_state_dict(self.model))] * ("model" in self.checkpoint_contents)
+
     def _extra_state(self) -> dict:
         rng = {"python": random.getstate(), "numpy": np.random.get_state(),
                "torch": torch.get_rng_state()}
@@ -501,19 +494,23 @@ class FSDPCheckpointManager:
                 del full_sd[k]
             save_hf_safetensors(full_sd, hf_dir)
 
+    def _adapter(self):
+        """(adapter name, peft config) of a peft model, else None."""
+        if not _is_peft(self.model):
+            return None
+        name = getattr(self.model, "active_adapter", "default")
+        return name, self.model.peft_config[name]
+
     def _save_lora_config(self, local_path: str) -> None:
-        if _is_peft(self.model):
-            name = getattr(self.model, "active_adapter", "default")
-            self.model.peft_config[name].save_pretrained(os.path.join(local_path, "lora_adapter"))
+        if self._adapter():
+            self._adapter()[1].save_pretrained(os.path.join(local_path, "lora_adapter"))
 
     def _meta(self, global_step, contents) -> dict:
         lora = None
-        if _is_peft(self.model):
-            name = getattr(self.model, "active_adapter", "default")
-            cfg = self.model.peft_config[name]
+        if self._adapter():
+            name, cfg = self._adapter()
             lora = {"adapter_name": name, "peft_type": str(getattr(cfg, "peft_type", "LORA")),
-                    "config_dir": "lora_adapter",
-                    "base_model_name_or_path": getattr(cfg, "base_model_name_or_path", None)}
+                    "config_dir": "lora_adapter", "base_model_name_or_path": cfg.base_model_name_or_path}
         return {"format": FORMAT, "global_step": global_step, "world_size": _world(),
                 "contents": list(contents), "model_class": type(unwrap_model(self.model)).__name__,
                 "lora": lora, "torch_version": torch.__version__, "saved_at": time.time()}
@@ -529,26 +526,20 @@ class FSDPCheckpointManager:
             return
         meta = read_checkpoint_meta(local_path)
         contents = self.checkpoint_contents
-        _reshard(self.model)
-        with_optim = self.optimizer is not None and "optimizer" in contents
-        if with_optim and "optimizer" not in meta.get("contents", []):
-            raise FileNotFoundError(f"{local_path} holds no optimizer state (saved contents: "
-                                    f"{meta.get('contents')}); drop 'optimizer' from the load contents")
-        if "model" in contents or with_optim:
-            if with_optim:
-                model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            else:
-                model_sd, optim_sd = get_model_state_dict(self.model), None
-            with _quiet_single_process():
-                if "model" in contents:
-                    dcp.load(model_sd, checkpoint_id=os.path.join(local_path, "model"), no_dist=not _dist_on())
-                if with_optim:
-                    dcp.load(optim_sd, checkpoint_id=os.path.join(local_path, "optim"), no_dist=not _dist_on())
-            if with_optim:
-                set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
-                               optim_state_dict=optim_sd)
-            else:
-                set_model_state_dict(self.model, model_sd)
+        for part in ("model", "optimizer"):
+            if part in contents and part not in meta["contents"] and (part == "model" or self.optimizer):
+                raise FileNotFoundError(f"{local_path} holds no {part} state (saved: {meta['contents']}); "
+                                        f"drop '{part}' from the checkpoint contents to load the rest")
+        sds = dict(self._dcp_state_dicts())
+        with _quiet_single_process():
+            for sub, sd in sds.items():
+                dcp.load(sd, checkpoint_id=os.path.join(local_path, sub), no_dist=not _dist_on())
+        if "optim" in sds:
+            model_sd = sds.get("model") or get_model_state_dict(self.model)
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
+                           optim_state_dict=sds["optim"])
+        elif "model" in sds:
+            set_model_state_dict(self.model, sds["model"])
         if "extra" in contents and "extra" in meta.get("contents", []):
             self._load_extra(local_path, meta)
         if _dist_on():
@@ -584,20 +575,6 @@ def read_checkpoint_meta(actor_dir: str) -> dict:
                                 f"(no {META_FILE}); expected the 'actor' directory of a global_step_N")
     with open(path) as f:
         return json.load(f)
-
-
-def resolve_component_dir(path: str, component: str = "actor") -> str:
-    """Accept a `global_step_N` directory or the component directory itself; return the latter."""
-    path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, META_FILE)):
-        return path
-    sub = os.path.join(path, component)
-    if os.path.isfile(os.path.join(sub, META_FILE)):
-        return sub
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist")
-    raise FileNotFoundError(f"{path} holds neither {META_FILE} nor a complete '{component}/' "
-                            f"checkpoint (contents: {sorted(os.listdir(path))})")
 
 
 def load_model_state_offline(actor_dir: str, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

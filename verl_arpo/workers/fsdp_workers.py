@@ -20,7 +20,7 @@ import os
 from typing import Any, Iterator
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
@@ -153,6 +153,11 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                     target_modules=tm if isinstance(tm, str) else list(tm), bias="none", task_type="CAUSAL_LM"))
             return model.to(self.device_name)
 
+        # the actor/ref read use_remove_padding from their own section (verl keeps it under model)
+        for section in ("actor", "ref", "rollout"):
+            if section in self.config:
+                with open_dict(self.config[section]):
+                    self.config[section].use_remove_padding = bool(mcfg.get("use_remove_padding", False))
         if self._is_actor:
             acfg = self.config.actor
             self.actor_module = self._shard(load(train=True), acfg.fsdp_config, train=True)
@@ -321,6 +326,7 @@ class CriticWorker(Worker, _FSDPModelMixin):
         mcfg = self.config.model
         tok = AutoTokenizer.from_pretrained(mcfg.get("tokenizer_path", None) or mcfg.path)
         hf_config = AutoConfig.from_pretrained(mcfg.path, num_labels=1)
+        hf_config.classifier_dropout = 0.0  # the value head must be deterministic (Qwen2 defaults to 0.1)
         model = AutoModelForTokenClassification.from_pretrained(
             mcfg.path, config=hf_config, torch_dtype=torch.float32,
             attn_implementation=_attn_impl(mcfg.get("attn_implementation", None))).to(self.device_name)

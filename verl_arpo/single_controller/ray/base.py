@@ -5,13 +5,15 @@ group, so on rank 0's node) and reports that node's IP and a free port: ``MASTER
 ``MASTER_PORT``. Then all actors are created at once, each with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in ``runtime_env["env_vars"]``,
 plus ``RAY_USAGE_STATS_ENABLED=0`` and ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = the actor's whole
-CPU share (at least 1) unless ``env_vars`` overrides them. (Asking rank 0's actor itself, as a first
-draft did, serialises two actor start-ups and leaves rank 0's ``__init__`` without a master address;
-the task gives the same node and the same kind of port.) The group waits until every actor answers
+CPU share (at least 1) unless ``env_vars`` overrides them. (Why not ask rank 0's actor itself?
+That serialises two actor start-ups and leaves rank 0's ``__init__`` without a master address; the
+task gives the same node and the same kind of port.) The group waits until every actor answers
 :meth:`Worker.get_node_info` and keeps the answers (``wg.node_infos``) for error messages.
 
 Calls. Every method of the worker class tagged with ``@register`` becomes a method of the group:
 ``wg.name(*args)`` plans the per-rank calls (:mod:`..decorator`), submits them, waits, collects.
+A method registered with ``blocking=False`` returns a :class:`PendingCall` at once (``.get()``).
+``execute_all`` / ``execute_rank_zero`` call any method by name, registered or not.
 
 Failures. The group waits on the per-rank results one at a time as they finish (``ray.wait``), so a
 rank whose process died is reported as soon as Ray knows, even while other ranks are still
@@ -39,6 +41,7 @@ node; an optional call timeout; ``shutdown()`` kills the actors.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -56,6 +59,7 @@ __all__ = ["PendingCall", "RayClassWithInitArgs", "RayWorkerGroup", "WorkerGroup
 
 logger = logging.getLogger(__name__)
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its error texts
 _RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -147,19 +151,19 @@ class RayWorkerGroup:
         self.node_infos: list[dict] = []
         self.master_address: str | None = None
         self.master_port: int | None = None
+        self._bind_registered_methods()  # before any actor exists: a name clash costs nothing
         try:
             self._create_actors(init_timeout)
         except BaseException:
             self.shutdown()
             raise
-        self._bind_registered_methods()
 
     # -- properties --------------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
-        """Number of ranks."""
-        return len(self._workers)
+        """Number of ranks (= bundles of the pool)."""
+        return self.resource_pool.world_size
 
     @property
     def workers(self) -> list[Any]:
@@ -169,18 +173,22 @@ class RayWorkerGroup:
     # -- start-up ----------------------------------------------------------------------------------
 
     def _actor_options(self, rank: int, pg: Any, bundle: int, env: dict[str, str]) -> dict[str, Any]:
+        """Ray options for rank ``rank``. Environment, later entries winning: our CPU defaults, the
+        class's ``runtime_env["env_vars"]``, the group's ``env_vars``, the rank variables."""
         threads = str(max(1, int(self.num_cpus_per_worker)))
+        options = dict(self.ray_cls_with_init.options)
+        runtime_env = dict(options.pop("runtime_env", None) or {})
         env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        env_vars.update(runtime_env.get("env_vars") or {})
         env_vars.update(self._env_vars)
         env_vars.update(env)
-        options = dict(self.ray_cls_with_init.options)
-        user_env = dict((options.pop("runtime_env", None) or {}).get("env_vars", {}))
+        runtime_env["env_vars"] = env_vars
         options.update(
             name=f"{self.name_prefix}:{rank}",
             num_cpus=self.num_cpus_per_worker,
             num_gpus=self.num_gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle),
-            runtime_env={"env_vars": {**user_env, **env_vars}},
+            runtime_env=runtime_env,
             max_restarts=0,
             max_task_retries=0,
         )
@@ -217,9 +225,26 @@ class RayWorkerGroup:
             }
             options = self._actor_options(rank, pg, bundle, env)
             self._workers.append(remote_cls.options(**options).remote(*cargs, **ckwargs))
-        self.node_infos = [{"rank": r} for r in range(world_size)]  # placeholders for start-up errors
+        self.node_infos = self._placeholder_infos(slots)  # for errors before the actors answer
         refs = [w.get_node_info.remote() for w in self._workers]
-        self.node_infos = self._wait("get_node_info", list(range(world_size)), refs, init_timeout)
+        try:
+            self.node_infos = self._wait("get_node_info", list(range(world_size)), refs, init_timeout)
+        except WorkerGroupTimeoutError as exc:
+            raise WorkerGroupTimeoutError(
+                f"{exc}: the actors did not start. Is the pool full (more groups than max_colocate_count="
+                f"{self.resource_pool.max_colocate_count}, or num_cpus_per_worker too large)? Is the worker's "
+                f"__init__ slow (raise init_timeout)?"
+            ) from None
+
+    @staticmethod
+    def _placeholder_infos(slots: list) -> list[dict]:
+        """Rank and node IP of every slot, from where Ray placed its bundle."""
+        ips = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
+        infos = []
+        for rank, (pg, bundle) in enumerate(slots):
+            node_id = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(bundle)
+            infos.append({"rank": rank, "ip": ips.get(node_id, "?"), "node_id": node_id})
+        return infos
 
     def _bind_registered_methods(self) -> None:
         for name in dir(self.worker_cls):
@@ -247,6 +272,8 @@ class RayWorkerGroup:
     # -- calling -----------------------------------------------------------------------------------
 
     def _submit(self, method: str, plan: CallPlan) -> list:
+        if len(self._workers) != self.world_size:
+            raise WorkerGroupError(f"group {self.name_prefix!r} has no running actors (shut down); cannot call {method}")
         return [
             getattr(self._workers[rank], method).remote(*a, **kw)
             for rank, a, kw in zip(plan.ranks, plan.args, plan.kwargs)
@@ -275,9 +302,10 @@ class RayWorkerGroup:
                 try:
                     results[i] = ray.get(ref)
                 except RayActorError as exc:
+                    detail = " ".join(_ANSI.sub("", str(exc)).split())
                     raise WorkerGroupError(
                         f"worker {self._where(ranks[i])} of group {self.name_prefix!r} died during {what}: "
-                        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                        f"{type(exc).__name__}: {detail[:600]}"
                     ) from exc
                 except Exception as exc:
                     if hasattr(exc, "add_note"):

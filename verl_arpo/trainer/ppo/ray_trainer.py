@@ -117,6 +117,16 @@ class RayPPOTrainer:
                                             name_prefix="critic")
             self.critic_wg.init_model(self.total_training_steps)
 
+    def shutdown(self):
+        """Kill the worker actors and release the placement groups (a driver may train again)."""
+        for name in ("critic_wg", "actor_rollout_wg"):
+            wg = getattr(self, name, None)
+            if wg is not None:
+                wg.shutdown()
+        pool = getattr(self, "resource_pool", None)
+        if pool is not None:
+            pool.remove()
+
     # ------------------------------------------------------------------ data order (resumable)
     def _batch_indices(self, step: int) -> np.ndarray:
         """Row indices of training step `step` (1-based): epoch = (step−1) // steps_per_epoch, order
@@ -235,16 +245,21 @@ class RayPPOTrainer:
         return os.path.abspath(self.config.trainer.default_local_dir)
 
     def save_checkpoint(self, step: int) -> str:
-        from verl_arpo.utils.checkpoint import begin_checkpoint, cleanup_old_checkpoints, publish_checkpoint
+        from verl_arpo.utils.checkpoint import (abort_checkpoint, begin_checkpoint, cleanup_old_checkpoints,
+                                                publish_checkpoint, save_dataloader_state)
 
         root = self._ckpt_root()
         staging = begin_checkpoint(root, step)
-        self.actor_rollout_wg.save_checkpoint(os.path.join(staging, "actor"), step)
-        if self.use_critic:
-            self.critic_wg.save_checkpoint(os.path.join(staging, "critic"), step)
-        torch.save({"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None},
-                   os.path.join(staging, "data.pt"))
-        path = publish_checkpoint(root, step, staging)
+        try:
+            self.actor_rollout_wg.save_checkpoint(os.path.join(staging, "actor"), step)
+            if self.use_critic:
+                self.critic_wg.save_checkpoint(os.path.join(staging, "critic"), step)
+            # the data order is a pure function of (data.seed, step): the step is all we need
+            save_dataloader_state(staging, {"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None})
+            path = publish_checkpoint(root, step, staging)
+        except BaseException:
+            abort_checkpoint(staging)  # the previous checkpoint stays the one resume uses
+            raise
         keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
         cleanup_old_checkpoints(root, keep)
         self.last_checkpoint = str(path)
@@ -252,7 +267,7 @@ class RayPPOTrainer:
 
     def load_checkpoint(self) -> int:
         """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
-        from verl_arpo.utils.checkpoint import find_latest_ckpt_path
+        from verl_arpo.utils.checkpoint import find_latest_ckpt_path, load_dataloader_state
 
         mode = self.config.trainer.get("resume_mode", "auto")
         if mode == "disable":
@@ -268,7 +283,9 @@ class RayPPOTrainer:
                 return 0
         else:
             raise ValueError(f"unknown trainer.resume_mode={mode!r}; accepted: auto, disable, resume_path")
-        state = torch.load(os.path.join(path, "data.pt"), weights_only=False)
+        state = load_dataloader_state(path) or {}
+        if "global_step" not in state:
+            raise ValueError(f"checkpoint {path} has no data.pt with the global step; it was not written by verl_arpo")
         self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"))
         if self.use_critic:
             self.critic_wg.load_checkpoint(os.path.join(path, "critic"))
@@ -319,8 +336,11 @@ class RayPPOTrainer:
                                f"checkpoint: {where}; restart with trainer.resume_mode=auto to continue") from e
 
 
-def run_ppo(config) -> dict[str, float]:
-    """Build datasets, reward managers and the trainer from a validated config, then train."""
+def run_ppo(config, keep_workers: bool = False):
+    """Build datasets, reward managers and the trainer from a validated config, then train.
+
+    Returns the last step's metrics; with keep_workers=True returns (metrics, trainer) and leaves
+    the worker groups alive (the caller then calls `trainer.shutdown()`)."""
     from transformers import AutoTokenizer
 
     from verl_arpo.trainer.config import normalize_config
@@ -335,5 +355,13 @@ def run_ppo(config) -> dict[str, float]:
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
     trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn)
-    trainer.init_workers()
-    return trainer.fit()
+    try:
+        trainer.init_workers()
+        metrics = trainer.fit()
+    except BaseException:
+        trainer.shutdown()
+        raise
+    if keep_workers:
+        return metrics, trainer
+    trainer.shutdown()
+    return metrics
