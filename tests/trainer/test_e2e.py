@@ -122,7 +122,8 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(ray_loca
     a, b = by_step(_jsonl(full)), by_step(_jsonl(cut))
     skip = ("timing_s/", "perf/", "tools/time", "timing")
     for key, value in a[3].items():
-        if key.startswith(skip) or "time" in key:
+        # cache hit counts depend on what the killed run had already cached (results are identical)
+        if key.startswith(skip) or "time" in key or "cache_" in key:
             continue
         assert b[3][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 

@@ -377,5 +377,6 @@ class AgentLoop:
         if later:
             m["rollout/entropy/after_tools"] = float(np.mean(later))
         if self.executor is not None and hasattr(self.executor, "metrics"):
-            m.update({k: float(v) for k, v in self.executor.metrics().items() if isinstance(v, (int, float))})
+            # per-call window: counts belong to this rollout, so a resumed run reports the same numbers
+            m.update({k: float(v) for k, v in self.executor.metrics(reset=True).items() if isinstance(v, (int, float))})
         return m
