@@ -153,11 +153,27 @@ def collate(items: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.T
 
 
 def token_nll_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Σ −log p over tokens whose label is not -100 (labels[t] is predicted from positions < t)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-    shift_labels = batch["labels"][:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+    """Σ −log p over tokens whose label is not -100 (labels[t] is predicted from positions < t).
+
+    Only the positions that predict a target go through the output layer (`logits_to_keep` with
+    the union of those positions over the batch): with a 49k vocabulary and ~10% of the tokens
+    trained, this skips most of the largest matmul and of the logits' memory."""
+    labels = batch["labels"][:, 1:]
+    keep = (labels != -100).any(0).nonzero().squeeze(-1)  # positions t whose logits predict t + 1
+    kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs).logits
+    if kwargs:
+        labels = labels[:, keep]
+    else:
+        logits = logits[:, :-1]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
 # --------------------------------------------------------------------------- distribution

@@ -216,7 +216,7 @@ class PythonTool(BaseTool):
     """Python code interpreter; tag ``<python>``.
 
     Params (YAML ``tool_instances.python.params``): ``timeout`` (wall seconds per call),
-    ``max_output_chars``, ``memory_mb`` (RLIMIT_AS), ``cpu_seconds`` (default: timeout),
+    ``max_output_chars``, ``memory_mb`` (RLIMIT_AS), ``cpu_seconds`` (default: timeout + 1),
     ``max_processes``, ``max_file_mb``, ``tmpfs_mb``, ``sandbox`` (auto | bwrap | none),
     ``python_path`` or the seeds' ``conda_path`` + ``conda_env``, ``extra_ro_paths``, ``preprocess``
     (REPL echo of a final bare expression, default on).
@@ -246,7 +246,9 @@ class PythonTool(BaseTool):
         self.timeout = float(timeout)
         self.max_output_chars = int(max_output_chars)
         self.memory_mb = int(memory_mb)
-        self.cpu_seconds = int(cpu_seconds if cpu_seconds is not None else max(1, round(self.timeout)))
+        # CPU limit one second past the wall timeout: the wall clock decides a plain timeout (one
+        # message, no race); the CPU limit still stops work that escapes the wall-clock kill.
+        self.cpu_seconds = int(cpu_seconds if cpu_seconds is not None else max(1, round(self.timeout)) + 1)
         self.max_processes = int(max_processes)
         self.max_file_mb = int(max_file_mb)
         self.tmpfs_mb = int(tmpfs_mb)
