@@ -32,6 +32,7 @@ tensor/sequence parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -65,6 +66,8 @@ DEFAULTS: dict[str, Any] = {
         "partial_pretrain": None,        # HF model folder to start from (required)
         "path": None,                    # alias of partial_pretrain
         "dtype": "float32",              # float32 | bfloat16 (training parameters)
+        "autocast_dtype": None,          # null | bfloat16: compute dtype of forward/backward
+                                         # (torch.autocast; parameters and AdamW stay model.dtype)
         "attn_implementation": "sdpa",   # eager | sdpa | flash_attention_2
         "enable_gradient_checkpointing": False,
         "trust_remote_code": False,
@@ -104,6 +107,8 @@ def load_config(overrides: list[str]) -> DictConfig:
         cfg.model.partial_pretrain = cfg.model.path
     if not cfg.model.partial_pretrain:
         raise SystemExit("main_sft: set model.partial_pretrain=<HF model folder> (or model.path=...)")
+    if cfg.model.autocast_dtype not in (None, "bfloat16") or cfg.model.dtype not in ("float32", "bfloat16"):
+        raise SystemExit("main_sft: model.dtype must be float32|bfloat16 and model.autocast_dtype null|bfloat16")
     if cfg.data.truncation not in ("error", "right", "skip"):
         raise SystemExit(f"main_sft: data.truncation must be error|right|skip, got {cfg.data.truncation!r}")
     return cfg
@@ -281,7 +286,9 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     B, micro = int(cfg.data.train_batch_size), int(cfg.data.micro_batch_size_per_gpu)
     if B % world:
         raise SystemExit(f"data.train_batch_size={B} must be divisible by the world size {world}")
-    steps_per_epoch = max(1, len(train) // B)
+    if len(train) < B:
+        raise SystemExit(f"data.train_batch_size={B} is larger than the {len(train)} training conversations")
+    steps_per_epoch = len(train) // B  # full global batches only: every rank gets the same share
     total = steps_per_epoch * int(cfg.trainer.total_epochs)
     if cfg.trainer.total_training_steps:
         total = min(total, int(cfg.trainer.total_training_steps))
@@ -294,6 +301,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
         logger.info("SFT: %d conversations (%d skipped), %d steps of %d, world %d, device %s",
                     len(train), train.skipped, total, B, world, device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.model.autocast_dtype == "bfloat16"
+                else contextlib.nullcontext())
     history: list[dict[str, float]] = []
     step, t_start = 0, time.time()
     order_rng = random.Random(cfg.trainer.seed)
@@ -311,7 +320,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
             nll_sum = 0.0
             for m in range(0, len(mine), micro):
                 batch = {k: v.to(device) for k, v in collate([train[i] for i in mine[m:m + micro]], pad_id).items()}
-                nll = token_nll_sum(model, batch)
+                with autocast:
+                    nll = token_nll_sum(model, batch)
                 # FSDP2 averages gradients over ranks: × world turns that back into the global sum
                 (nll * world / max(1, n_targets)).backward()
                 nll_sum += float(nll.detach())
@@ -333,6 +343,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
             history.append({"step": step, "epoch": epoch, "val_loss": vloss})
             if rank == 0:
                 logger.info("epoch %d val_loss %.4f", epoch, vloss)
+        if step >= total:
+            break
 
     state = full_state_dict(model, world)
     summary = {"steps": step, "train_conversations": len(train), "world_size": world,

@@ -37,7 +37,7 @@ from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.rollout import branching
 from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
-from verl_arpo.workers.rollout.tool_text import encode_tool_result, extract_tool_call
+from verl_arpo.workers.rollout.tool_text import extract_tool_call, fit_tool_result
 
 EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
 
@@ -266,10 +266,12 @@ class AgentLoop:
             r = by_call.get(i)
             text = r.text if r is not None else EMPTY_CALL_TEXT.format(tag=tag)
             t.num_tool_calls += 1
+            room = self.cfg.response_length - len(t.response_ids)
+            # [reliability, issue 9] encode only what the budget can hold (a 10 MB tool output took
+            # tens of seconds to tokenise); `text` becomes the (sanitised) part the trajectory holds
+            ids, text = fit_tool_result(self.tokenizer, text, room)
             t.tool_calls.append({"tag": tag, "content": content, "result": text,
                                  "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok)})
-            ids = encode_tool_result(self.tokenizer, text)
-            room = self.cfg.response_length - len(t.response_ids)
             t.append(ids[:room], 0)
             if len(ids) >= room:
                 t.done, t.finish_reason = True, "length"

@@ -39,8 +39,21 @@ def _neutralise_special_text(tokenizer, text: str) -> str:
     return text
 
 
+def _valid_text(text) -> str:
+    """`text` as a str the tokenizer accepts: lone surrogates (bytes a tool decoded with
+    `surrogateescape`) become U+FFFD. [reliability, issue 9] the Rust tokenizer rejected them with a
+    TypeError that escaped into the rollout, and json dumps of such text fail too."""
+    text = text if isinstance(text, str) else str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
 def encode_tool_result(tokenizer, text: str) -> list[int]:
     """Token ids of ` <result>\\n{text}\\n</result>` that contain no special-token id."""
+    text = _valid_text(text)
     full = RESULT_TEMPLATE.format(text=text)
     special = set(getattr(tokenizer, "all_special_ids", []))
     try:
@@ -51,3 +64,23 @@ def encode_tool_result(tokenizer, text: str) -> list[int]:
         ids = tokenizer.encode(RESULT_TEMPLATE.format(text=_neutralise_special_text(tokenizer, text)),
                                add_special_tokens=False)
     return [i for i in ids if i not in special]  # last resort: never emit a special id
+
+
+def fit_tool_result(tokenizer, text: str, max_tokens: int) -> tuple[list[int], str]:
+    """(ids, shown): `encode_tool_result` of the part of `text` the budget can hold.
+
+    [reliability, issue 9] Tokenising a 10 MB tool output took 20-40 s on a CPU and ~0.4 GB of
+    Python ints, for a result cut to `max_tokens` ids right after. Here only a prefix is encoded:
+    8 characters per budget token to start with, 4x more until the ids overflow the budget by a
+    margin (so the cut falls inside the text, never on the closing tag) or the whole text is used.
+    `shown` is that prefix (sanitised), i.e. what the trajectory really contains; when the whole
+    text fits it is the text itself and `ids` are exactly `encode_tool_result(tokenizer, text)`.
+    """
+    text = _valid_text(text)
+    chars = max(1024, 8 * max(0, int(max_tokens)))
+    while True:
+        shown = text[:chars]
+        ids = encode_tool_result(tokenizer, shown)
+        if len(shown) == len(text) or len(ids) >= max_tokens + 32:
+            return ids, shown
+        chars *= 4

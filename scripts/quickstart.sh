@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, from a bare machine: sets up .venv (same as the tests),
+# prepares SmolLM2-135M-Instruct and the bundled task if missing, then cold-start SFT → ARPO with a
+# Python sandbox and a local search engine → merge to HF → evaluation of base, SFT and RL models.
+# Writes outputs/quickstart/summary.json and reward_curve.png. Re-running reuses finished stages.
+#
+#   bash scripts/quickstart.sh              # the full run (≈20 minutes on 2 CPU cores)
+#   bash scripts/quickstart.sh --smoke      # a short run (a few steps, 30 test questions)
+#   bash scripts/quickstart.sh --tiny       # the random tiny model (plumbing only)
+#   bash scripts/quickstart.sh --algo aepo  # AEPO instead of ARPO (also: grpo)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=scripts/setup_env.sh
+source "$ROOT/scripts/setup_env.sh"
+setup_env
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec "$VENV/bin/python" -m verl_arpo.quickstart "$@"

