@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
             if not done(path):
                 cmd = [PY, "-m", "verl_arpo.trainer.main_eval", "--model", str(model_dir), "--data",
                        str(ROOT / "rl_datasets" / "test.parquet"), "--k", "1", "--dtype", "bfloat16",
-                       "--max_response_length", "192", "--out", str(path)]
+                       "--max_response_length", "288", "--out", str(path)]
                 if test_limit:
                     cmd += ["--limit", str(test_limit)]
                 _run(cmd, logs / f"eval_{tag}.log", env)

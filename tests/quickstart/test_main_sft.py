@@ -80,3 +80,17 @@ def test_fsdp2_torchrun_matches_single_process(tiny_model_dir, sft_file, tmp_pat
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-4), (k, (a[k] - b[k]).abs().max())
+
+
+def test_bf16_autocast_trains(tiny_model_dir, sft_file, tmp_path):
+    cfg = main_sft.load_config(_overrides(tiny_model_dir, sft_file, str(tmp_path / "bf16"), **{
+        "model.autocast_dtype": "bfloat16", "trainer.total_training_steps": 2, "data.val_files": sft_file}))
+    summary = main_sft.run_sft(cfg)
+    losses = [h["loss"] for h in summary["history"] if "loss" in h]
+    assert summary["steps"] == 2 and all(0 < x < 10 for x in losses)
+    assert [h["step"] for h in summary["history"] if "val_loss" in h] == [2]  # one epoch, then stop
+    with pytest.raises(SystemExit, match="autocast_dtype"):
+        main_sft.load_config(["model.path=/m", "model.autocast_dtype=float16"])
+    with pytest.raises(SystemExit, match="larger than"):
+        main_sft.run_sft(main_sft.load_config(_overrides(tiny_model_dir, sft_file, str(tmp_path / "x"),
+                                                         **{"data.train_batch_size": 64})))

@@ -78,6 +78,36 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def interface_of(ip: str) -> str | None:
+    """Name of the network interface that holds the IPv4 address ``ip`` on this host, or ``None``."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def pick_gloo_interface() -> str | None:
+    """For a gloo group spanning nodes: unless ``GLOO_SOCKET_IFNAME`` is set, set it to the interface
+    holding this node's Ray IP and return that name.
+
+    Gloo otherwise binds to the address the host name resolves to, which on many hosts is a loopback
+    address (``127.0.1.1`` on Debian); the other nodes are then told to connect to it and the group
+    fails with "Connection refused, remote=[127.0.0.1]". Set ``GLOO_SOCKET_IFNAME`` yourself (on the
+    ``ray start`` command of each node or in ``ray_init.runtime_env.env_vars``) to choose another one.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    ip = node_ip_address()
+    name = interface_of(ip) if not ip.startswith("127.") else None
+    if name and name != "lo":
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
 class Worker:
     """Base class for the classes a ``RayWorkerGroup`` instantiates (one instance per rank).
 
@@ -124,7 +154,7 @@ class Worker:
 
     def get_node_info(self) -> dict[str, Any]:
         """Where this worker runs: ``hostname``, ``ip``, ``pid``, ``rank``, ``world_size``,
-        ``local_rank``, ``local_world_size``, ``master_addr``, ``master_port`` and, inside Ray,
+        ``local_rank``, ``local_world_size``, ``master_addr``, ``master_port``, ``gloo_socket_ifname`` and, inside Ray,
         ``node_id``, ``placement_group_id`` and ``assigned_resources`` (bundle-qualified names)."""
         info: dict[str, Any] = {
             "hostname": socket.gethostname(),
@@ -137,6 +167,7 @@ class Worker:
             "master_addr": self.master_addr,
             "master_port": self.master_port,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         }
         try:
             import ray
@@ -156,7 +187,9 @@ class Worker:
         """Join the group's ``torch.distributed`` default process group (no-op if already joined).
 
         ``backend`` defaults to ``nccl`` with CUDA, else ``gloo`` (:mod:`verl_arpo.utils.device`);
-        on GPU the local device is selected first. ``timeout_seconds`` bounds every collective, so
+        on GPU the local device is selected first. A gloo group spanning nodes binds to the
+        interface of this node's Ray IP unless ``GLOO_SOCKET_IFNAME`` is set
+        (:func:`pick_gloo_interface`). ``timeout_seconds`` bounds every collective, so
         a dead peer turns into an error instead of a hang.
         """
         import torch.distributed as dist
@@ -173,6 +206,8 @@ class Worker:
         backend = backend or get_dist_backend()
         if backend == "nccl":
             set_local_device(self.local_rank)
+        elif backend == "gloo" and self.local_world_size < self.world_size:
+            pick_gloo_interface()
         dist.init_process_group(
             backend=backend,
             init_method="env://",

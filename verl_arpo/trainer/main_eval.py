@@ -426,12 +426,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--k must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = run_eval(args)
-    for ds, m in report["per_data_source"].items():
+    for ds, m in [*report["per_data_source"].items(), ("overall", report["overall"])]:
         ci = m["accuracy_ci95"]
-        print(f"{ds:28s} n={m['n_questions']:4d} pass@1={m['pass@1']:.3f} pass@{args.k}={m[f'pass@{args.k}']:.3f} "
+        passk = f" pass@{args.k}={m[f'pass@{args.k}']:.3f}" if args.k > 1 else ""
+        print(f"{ds:28s} n={m['n_questions']:4d} pass@1={m['pass@1']:.3f}{passk} "
               f"acc95=[{ci[0]:.3f}, {ci[1]:.3f}] tools/q={m['tool_calls_per_question']:.2f}")
-    o = report["overall"]
-    print(f"{'overall':28s} n={o['n_questions']:4d} pass@1={o['pass@1']:.3f} pass@{args.k}={o[f'pass@{args.k}']:.3f}")
     return report
 
 

@@ -115,11 +115,20 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 
 # --------------------------------------------------------------------------- data
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _resolve(path: Any) -> str:
+    """A relative path is taken from the working directory, else from the project root."""
+    p = Path(os.path.expanduser(str(path)))
+    return str(p if p.is_absolute() or p.exists() else PROJECT_ROOT / p)
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """Tokenised conversations: items {"input_ids", "loss_mask"} (lists of ints)."""
 
     def __init__(self, files: Any, tokenizer, max_length: int, truncation: str = "error"):
-        files = [files] if isinstance(files, str) else list(files)
+        files = [_resolve(f) for f in ([files] if isinstance(files, (str, Path)) else list(files))]
         self.items: list[dict[str, list[int]]] = []
         self.skipped = 0
         for rec in read_records(files):
@@ -270,9 +279,12 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     model_path = os.path.expanduser(str(cfg.model.partial_pretrain))
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    files = OmegaConf.to_container(cfg.data.train_files) if OmegaConf.is_config(cfg.data.train_files) else cfg.data.train_files
-    train = SFTDataset(files, tok, cfg.data.max_length, cfg.data.truncation)
-    val = SFTDataset(cfg.data.val_files, tok, cfg.data.max_length, cfg.data.truncation) if cfg.data.val_files else None
+    def files(key: str):
+        value = cfg.data[key]
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    train = SFTDataset(files("train_files"), tok, cfg.data.max_length, cfg.data.truncation)
+    val = SFTDataset(files("val_files"), tok, cfg.data.max_length, cfg.data.truncation) if cfg.data.val_files else None
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(cfg.model.dtype)]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,

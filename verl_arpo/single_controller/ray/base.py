@@ -23,6 +23,10 @@ blocked (for example in a collective with the dead rank):
   the method, the rank, its node IP and pid; the trainer adds which checkpoint to resume from;
 - an exception raised by the method itself is re-raised unchanged (its type is kept, so callers can
   catch ``ValueError`` etc.) with a note naming the rank, node and method;
+- when one rank raises while others are still running, the group first waits up to
+  ``peer_failure_grace`` seconds (default 10) for the others: if one of them died, the error is the
+  :class:`WorkerGroupError` naming the dead rank and its node (a collective's "Connection closed by
+  peer" on the survivor usually arrives first when a node is lost);
 - with ``call_timeout`` (seconds) set, a call not finished in time raises
   :class:`WorkerGroupTimeoutError` (both a ``RuntimeError`` and a ``TimeoutError``) naming the ranks
   still running. The slow calls are not cancelled: kill the group if it cannot recover.
@@ -137,6 +141,7 @@ class RayWorkerGroup:
         self.worker_cls = ray_cls_with_init.cls
         self.name_prefix = f"{name_prefix or self.worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
         self.call_timeout = call_timeout
+        self.peer_failure_grace = 10.0  # see _dead_peer
         share = 1.0 / resource_pool.max_colocate_count
         bundle_cpus = resource_pool.cpus_per_bundle
         self.num_cpus_per_worker = float(num_cpus_per_worker) if num_cpus_per_worker is not None else bundle_cpus * share
@@ -310,8 +315,40 @@ class RayWorkerGroup:
                 except Exception as exc:
                     if hasattr(exc, "add_note"):
                         exc.add_note(f"raised by {what} on worker {self._where(ranks[i])} of group {self.name_prefix!r}")
+                    dead = self._dead_peer(pending, position, deadline)
+                    if dead is not None:  # the exception is the echo of a peer's death: name the dead one
+                        j, death = dead
+                        detail = " ".join(_ANSI.sub("", str(death)).split())
+                        first = " ".join(_ANSI.sub("", str(exc)).split()[-40:])
+                        raise WorkerGroupError(
+                            f"worker {self._where(ranks[j])} of group {self.name_prefix!r} died during {what}: "
+                            f"{type(death).__name__}: {detail[:600]} (first reported as an error on "
+                            f"{self._where(ranks[i])}: ...{first[-400:]})"
+                        ) from death
                     raise
         return results
+
+    def _dead_peer(self, pending: list, position: dict, deadline: float | None) -> tuple[int, Exception] | None:
+        """After one rank raised: wait up to ``peer_failure_grace`` s for the ranks still running and
+        return ``(index, error)`` of the first that died, else ``None``. A rank blocked in a collective
+        with a dead peer raises at once (gloo: "Connection closed by peer"), about a second before Ray
+        reports the peer's death; without this the error would name the survivor, not the lost node."""
+        grace = time.monotonic() + max(0.0, float(self.peer_failure_grace))
+        if deadline is not None:
+            grace = min(grace, deadline)
+        pending = list(pending)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, grace - time.monotonic()))
+            if not ready:
+                return None
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError as exc:
+                    return position[ref], exc
+                except Exception:  # another ordinary error: keep looking for a death
+                    pass
+        return None
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list:
         """Call ``method_name`` with the same arguments on every rank; results in rank order."""

@@ -111,6 +111,10 @@ class RayPPOTrainer:
             self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=actor_cfg, role="actor_rollout_ref"),
             name_prefix="actor_rollout_ref")
         self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.get("seed", 0)))
+        infos = self.actor_rollout_wg.execute_all("get_node_info")  # after init_model: the process group exists
+        print("[verl_arpo] worker ranks on nodes: " + ", ".join(
+            f"rank {i['rank']} on {i['ip']} (pid {i['pid']}, GLOO_SOCKET_IFNAME={i.get('gloo_socket_ifname') or '-'})"
+            for i in infos) + f"; MASTER_ADDR={infos[0]['master_addr']}:{infos[0]['master_port']}", flush=True)
         if self.use_critic:
             critic_cfg = OmegaConf.to_container(cfg.critic, resolve=True)
             self.critic_wg = RayWorkerGroup(self.resource_pool, RayClassWithInitArgs(CriticWorker, config=critic_cfg),
