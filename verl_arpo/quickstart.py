@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             cmd = [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
                    f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
                    f"trainer.total_epochs={a.sft_epochs or 2}", "optim.lr=5e-5", "data.train_batch_size=16",
-                   "data.micro_batch_size_per_gpu=4", "data.max_length=640"]
+                   "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right"]
             if a.smoke:
                 cmd.append("trainer.total_training_steps=4")
             _run(cmd, logs / "sft.log", env)
@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"trainer.total_training_steps={rl_steps}", f"trainer.save_freq={max(1, rl_steps // 2)}",
                   f"trainer.rollout_data_dir={rl_root / 'rollout'}",
                   f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out / 'search_cache.sqlite'}",
-                  f"hydra.run.dir={rl_root / 'hydra'}", *algo],
+                  f"hydra.run.dir={rl_root / 'hydra'}", *algo,
+                  *(["data.max_prompt_length=384"] if a.tiny else [])],  # the tiny tokenizer needs more tokens
                  logs / "rl.log", env)
         wall["rl"] = time.perf_counter() - t0
         bar.advance(task)

@@ -75,6 +75,35 @@ def collate_fn(items: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _records(table) -> tuple[List[Dict[str, Any]], Dict[int, tuple]]:
+    """(row dicts, {row: (field, reason)} for rows holding a string cell that is not UTF-8).
+
+    [reliability, issue 9] parquet files written by other tools can hold bytes that are not UTF-8
+    in a *string* column; `to_pylist` then raised UnicodeDecodeError and the whole file was
+    rejected without naming the row. Here only the bad cells' rows are reported (and skipped)."""
+    try:
+        return table.to_pylist(), {}
+    except UnicodeDecodeError:
+        pass
+    columns, bad = {}, {}
+    for name in table.column_names:
+        col = table.column(name)
+        try:
+            columns[name] = col.to_pylist()
+            continue
+        except UnicodeDecodeError:
+            pass
+        values = []
+        for i in range(len(col)):
+            try:
+                values.append(col[i].as_py())
+            except UnicodeDecodeError as exc:
+                values.append(None)
+                bad.setdefault(i, (name, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
+        columns[name] = values
+    return [{name: columns[name][i] for name in table.column_names} for i in range(table.num_rows)], bad
+
+
 class RLHFDataset(Dataset):
     """Prompts for RL from parquet files (see the module docstring)."""
 
@@ -118,13 +147,16 @@ class RLHFDataset(Dataset):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"RLHFDataset: data file {path!r} does not exist")
         try:
-            records = pq.read_table(path).to_pylist()
+            records, undecodable = _records(pq.read_table(path))
         except Exception as exc:
             raise ValueError(f"RLHFDataset: cannot read parquet file {path!r}: {exc}") from exc
         skipped_here, repairs_here = 0, 0
         for row_number, raw in enumerate(records):
             self.stats["rows_read"] += 1
-            row, error = normalize_row(raw, self.prompt_key)
+            if row_number in undecodable:
+                row, error = None, undecodable[row_number]
+            else:
+                row, error = normalize_row(raw, self.prompt_key)
             if error is not None:
                 skipped_here += 1
                 self.skipped.append((path, row_number, error[0], error[1]))

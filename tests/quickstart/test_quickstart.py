@@ -1,0 +1,33 @@
+"""The quickstart pipeline end to end (tiny model, smoke budget): every stage runs the real entry
+points (model prep, main_sft, main_ppo, convert_verl_to_hf, main_eval) and the summary is complete."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quickstart_tiny_smoke(tmp_path):
+    out = tmp_path / "qs"
+    r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["test"]["n"] == 30
+    for tag in ("base", "sft", "rl"):
+        lo, hi = s["test"][tag]["ci95"]
+        assert 0.0 <= lo <= s["test"][tag]["acc"] <= hi <= 1.0
+        assert tag in s["tool_calls_per_question"]
+    assert set(s["wall_s"]) >= {"prepare", "sft", "rl", "eval", "total"}
+    assert (out / "reward_curve.png").stat().st_size > 0
+    assert (Path(s["hf_dir"]) / "config.json").exists()
+    assert len(s["reward_curve"]) == s["rl_steps"]
+    # a re-run reuses every finished stage
+    r2 = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0
+    assert json.loads((out / "summary.json").read_text())["wall_s"]["rl"] < 5.0
