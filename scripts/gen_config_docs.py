@@ -12,8 +12,9 @@ The YAML is read twice: line by line (for the comments and the values exactly as
 `1e-6`, `${data.max_prompt_length}`, `???`) and with yaml.safe_load; the two key sets must agree,
 so a construct the line reader does not understand fails loudly instead of dropping a key.
 
-Not covered: configs/tools/*.yaml (tool registry presets, documented in docs/tools.md) and the
-SFT trainer's keys (`python -m verl_arpo.trainer.main_sft --help` prints them).
+Not covered: the keys of configs/tools/*.yaml (tool registry presets, documented in docs/tools.md;
+only the first sentence of each file's header is listed) and the SFT trainer's keys
+(`python -m verl_arpo.trainer.main_sft --help` prints them).
 """
 from __future__ import annotations
 
@@ -254,7 +255,8 @@ def render() -> str:
             "`python -m verl_arpo.trainer.main_eval --tools configs/tools/<name>.yaml`:", ""]
     rows = []
     for path in sorted((CONFIGS / "tools").glob("*.yaml")):
-        first = next((ln for ln in header_comment(path) if ln.strip()), "")
+        text = " ".join(ln.strip() for ln in header_comment(path) if ln.strip())
+        first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]  # the first sentence
         rows.append((_code(path.stem), _cell(first)))
     out += _table(rows, ("Name", "What it holds")) + [""]
     return "\n".join(out).rstrip() + "\n"

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--algo", choices=["arpo", "aepo", "grpo"], default="arpo")
     p.add_argument("--rl_steps", type=int, default=None)
     p.add_argument("--sft_epochs", type=int, default=None)
+    p.add_argument("--sft_steps", type=int, default=None, help="SFT optimizer steps of 16 conversations")
     p.add_argument("--test_limit", type=int, default=None, help="evaluate only the first N test questions")
     p.add_argument("--out", default=str(ROOT / "outputs" / "quickstart"))
     p.add_argument("--force", action="store_true", help="redo every stage")
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
-    rl_steps = a.rl_steps or (2 if a.smoke else 12)
+    rl_steps = a.rl_steps or (2 if a.smoke else 8)
     test_limit = a.test_limit or (30 if a.smoke else None)
     wall: dict[str, float] = {}
     env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             if not done(path):
                 cmd = [PY, "-m", "verl_arpo.trainer.main_eval", "--model", str(model_dir), "--data",
                        str(ROOT / "rl_datasets" / "test.parquet"), "--k", "1", "--dtype", "bfloat16",
-                       "--max_response_length", "288", "--out", str(path)]
+                       "--max_response_length", "288", "--batch_size", "64", "--out", str(path)]
                 if test_limit:
                     cmd += ["--limit", str(test_limit)]
                 _run(cmd, logs / f"eval_{tag}.log", env)
@@ -166,10 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not done(sft_dir / "config.json"):
             cmd = [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
                    f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
-                   f"trainer.total_epochs={a.sft_epochs or 2}", "optim.lr=5e-5", "data.train_batch_size=16",
-                   "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right"]
-            if a.smoke:
-                cmd.append("trainer.total_training_steps=4")
+                   f"trainer.total_epochs={a.sft_epochs or 1}", "optim.lr=5e-5", "data.train_batch_size=16",
+                   "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
+                   "model.autocast_dtype=bfloat16",
+                   # a cold start teaches the format, not the task: 8 steps × 16 conversations on a CPU
+                   f"trainer.total_training_steps={a.sft_steps or (2 if a.smoke else 8)}"]
             _run(cmd, logs / "sft.log", env)
         wall["sft"] = time.perf_counter() - t0
         bar.advance(task)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from netns_cluster import RAY_ENV, TwoHosts, remove_leftovers, skip_reason
+from netns_cluster import RAY_ENV, TwoHosts, skip_reason
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,7 +26,7 @@ def hosts():
     try:
         cluster.create_network()
     except Exception as exc:  # e.g. a container without CAP_SYS_ADMIN / netns support
-        remove_leftovers()
+        cluster.teardown()
         pytest.skip(f"cannot create network namespaces here: {exc}")
     try:
         cluster.start_ray("a")

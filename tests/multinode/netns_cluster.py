@@ -17,10 +17,13 @@ stopped by SIGKILL of exactly the processes whose network namespace is ours (``i
 
 Names use the prefix ``varpmn``; :func:`remove_leftovers` deletes whatever a crashed earlier run
 left (namespaces with the prefix, their processes, our Ray temp dir) and runs before and after.
+The names are fixed, so a second run on the same machine waits for the first: the cluster holds
+an exclusive lock on ``/tmp/varpmn.lock`` from before the clean-up until after the teardown.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -37,6 +40,7 @@ ADDR = {"a": "10.200.0.1", "b": "10.200.0.2"}
 RAY_PORT = 6379
 # Ray's unix sockets live under its temp dir and must stay under 107 characters: a short fixed path.
 RAY_TMP = Path(f"/tmp/{PREFIX}")
+LOCK_FILE = Path(f"/tmp/{PREFIX}.lock")
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 IP = shutil.which("ip") or "/usr/sbin/ip"
@@ -125,11 +129,34 @@ class TwoHosts:
     def __init__(self, extra_env: dict[str, str] | None = None) -> None:
         self.env = {**os.environ, **RAY_ENV, **(extra_env or {})}
         self.env.pop("RAY_ADDRESS", None)
-        self.log_dir = RAY_TMP / "logs"
         self.address = f"{ADDR['a']}:{RAY_PORT}"
+        self._lock = None
+
+    def acquire(self, timeout: float = 1200) -> None:
+        """Wait (at most ``timeout`` s) until no other run on this machine uses the names."""
+        if self._lock is not None:
+            return
+        lock = open(LOCK_FILE, "w")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock = lock
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    lock.close()
+                    raise RuntimeError(f"another two-host run holds {LOCK_FILE} for more than {timeout}s") from None
+                time.sleep(1)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops the flock
+            self._lock = None
 
     # -- network ----------------------------------------------------------------------------------
     def create_network(self) -> None:
+        self.acquire()
         remove_leftovers()
         for ns in NS.values():
             _ip("netns", "add", ns)
@@ -209,10 +236,15 @@ class TwoHosts:
         return self
 
     def teardown(self) -> None:
-        for host in ("b", "a"):
-            if NS[host] in our_namespaces():
-                kill_namespace(NS[host])
-        remove_leftovers()
+        if self._lock is None:  # never set up (or another run owns the names): nothing of ours to remove
+            return
+        try:
+            for host in ("b", "a"):
+                if NS[host] in our_namespaces():
+                    kill_namespace(NS[host])
+            remove_leftovers()
+        finally:
+            self.release()
 
     def __enter__(self) -> TwoHosts:
         try:

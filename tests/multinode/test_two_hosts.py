@@ -122,7 +122,8 @@ def test_training_spans_both_hosts(full_run):
         actor = run["dir"] / f"global_step_{step}" / "actor"
         assert (actor / "extra_state_rank_0.pt").exists() and (actor / "extra_state_rank_1.pt").exists()
         assert (actor / "checkpoint_meta.json").exists()
-    print(f"\n[multinode] 3-step run across two hosts: {run['seconds']:.0f}s, {run['veth_bytes'] / 1e6:.1f} MB over the veth")
+    print(f"\n[multinode] 3-step run across two hosts: {run['seconds']:.0f}s, "
+          f"{run['veth_bytes'] / 1e6:.1f} MB over the veth")
 
 
 def test_merged_checkpoint_matches_live_actor(full_run, merge):
@@ -147,7 +148,8 @@ def test_host_lost_during_a_collective_names_the_lost_host(hosts, tmp_path):
     """Rank 0 (A) waits in an all-reduce for rank 1 (B); B is lost. The survivor's gloo error comes
     first, but the group reports rank 1's death on B (RayWorkerGroup waits peer_failure_grace)."""
     log = tmp_path / "collective.log"
-    proc = hosts.popen_in("a", [sys.executable, str(Path(__file__).with_name("collective_probe.py")), hosts.address], log)
+    probe = Path(__file__).with_name("collective_probe.py")
+    proc = hosts.popen_in("a", [sys.executable, str(probe), hosts.address], log)
     try:
         _wait_for(lambda: "BLOCKING" in log.read_text(), proc, log, 300, "the blocked all-reduce")
         hosts.kill_host("b")
@@ -213,7 +215,8 @@ def test_node_loss_then_resume(hosts, full_run, tool_model_dir, toy_data, merge,
     text = log.read_text()
     assert rc != 0, text[-3000:]
     assert failed_after < 60, failed_after  # bounded: Ray reports the death in seconds
-    assert re.search(rf"worker rank 1 \(node {re.escape(ADDR['b'])}, pid {rank1_pid}\) of group \S+ died during", text), text[-4000:]
+    lost = rf"worker rank 1 \(node {re.escape(ADDR['b'])}, pid {rank1_pid}\) of group \S+ died during"
+    assert re.search(lost, text), text[-4000:]
     assert f"training stopped at step 3; last complete checkpoint: {cut / 'global_step_2'}" in text, text[-4000:]
     assert "restart with trainer.resume_mode=auto" in text
     assert tracker.read_text().strip() == "2"

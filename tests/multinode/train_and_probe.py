@@ -35,7 +35,8 @@ def main() -> None:
     try:
         infos = trainer.actor_rollout_wg.execute_all("get_node_info")
         for info in infos:
-            ns = subprocess.run([shutil.which("ip") or "/usr/sbin/ip", "netns", "identify", str(info["pid"])], capture_output=True, text=True)
+            ip = shutil.which("ip") or "/usr/sbin/ip"
+            ns = subprocess.run([ip, "netns", "identify", str(info["pid"])], capture_output=True, text=True)
             info["netns"] = ns.stdout.strip()
         batch = trainer._collate(trainer.train_dataset, [0, 1])
         batch, _ = trainer._rollout(batch, step=99)

@@ -34,6 +34,8 @@ from typing import Any
 __all__ = ["Worker"]
 
 _INT_VARS = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}
+GROUP_HOSTS_ENV = "VERL_ARPO_GROUP_HOSTS"
+"""Number of distinct host addresses among the group's ranks (set by ``RayWorkerGroup``)."""
 
 
 def _env_int(name: str) -> int:
@@ -152,10 +154,20 @@ class Worker:
         raw = os.environ.get("MASTER_PORT")
         return int(raw) if raw else None
 
+    def spans_hosts(self) -> bool:
+        """Whether the group's ranks live on more than one host: ``VERL_ARPO_GROUP_HOSTS`` > 1 (set
+        by ``RayWorkerGroup`` from where Ray placed the ranks); without it (torchrun), whether some
+        ranks are on other nodes (``LOCAL_WORLD_SIZE < WORLD_SIZE``)."""
+        raw = os.environ.get(GROUP_HOSTS_ENV, "")
+        if raw.isdigit():
+            return int(raw) > 1
+        return self.local_world_size < self.world_size
+
     def get_node_info(self) -> dict[str, Any]:
         """Where this worker runs: ``hostname``, ``ip``, ``pid``, ``rank``, ``world_size``,
-        ``local_rank``, ``local_world_size``, ``master_addr``, ``master_port``, ``gloo_socket_ifname`` and, inside Ray,
-        ``node_id``, ``placement_group_id`` and ``assigned_resources`` (bundle-qualified names)."""
+        ``local_rank``, ``local_world_size``, ``master_addr``, ``master_port``,
+        ``gloo_socket_ifname`` and, inside Ray, ``node_id``, ``placement_group_id`` and
+        ``assigned_resources`` (bundle-qualified names)."""
         info: dict[str, Any] = {
             "hostname": socket.gethostname(),
             "ip": node_ip_address(),
@@ -187,10 +199,11 @@ class Worker:
         """Join the group's ``torch.distributed`` default process group (no-op if already joined).
 
         ``backend`` defaults to ``nccl`` with CUDA, else ``gloo`` (:mod:`verl_arpo.utils.device`);
-        on GPU the local device is selected first. A gloo group spanning nodes binds to the
-        interface of this node's Ray IP unless ``GLOO_SOCKET_IFNAME`` is set
-        (:func:`pick_gloo_interface`). ``timeout_seconds`` bounds every collective, so
-        a dead peer turns into an error instead of a hang.
+        on GPU the local device is selected first. A gloo group spanning hosts
+        (:meth:`spans_hosts`) binds to the interface of this node's Ray IP unless
+        ``GLOO_SOCKET_IFNAME`` is set (:func:`pick_gloo_interface`); on one host gloo keeps its
+        default (the address the host name resolves to, often loopback). ``timeout_seconds``
+        bounds every collective, so a dead peer turns into an error instead of a hang.
         """
         import torch.distributed as dist
 
@@ -206,7 +219,7 @@ class Worker:
         backend = backend or get_dist_backend()
         if backend == "nccl":
             set_local_device(self.local_rank)
-        elif backend == "gloo" and self.local_world_size < self.world_size:
+        elif backend == "gloo" and self.spans_hosts():
             pick_gloo_interface()
         dist.init_process_group(
             backend=backend,

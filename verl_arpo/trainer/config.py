@@ -93,9 +93,23 @@ def _as_float(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         return None
+    # [reliability, issue 9] NaN fails every comparison, so `clip_ratio=nan` or `optim.lr=nan`
+    # passed each "must be > 0" check and reached the loss
+    return None if number != number else number
+
+
+def _is_one_of(value: Any, choices: Any) -> bool:
+    """`value in choices`, False when `value` is unhashable and `choices` a dict (a registry).
+
+    [reliability, issue 9] `algorithm.adv_estimator=[grpo]` (a list or map where a name belongs)
+    raised TypeError: unhashable type from validate_config instead of a ConfigError naming the key."""
+    try:
+        return value in choices
+    except TypeError:
+        return False
 
 
 def parse_logger(value: Any) -> list[str]:
@@ -287,7 +301,7 @@ def _check_algorithm(c: DictConfig, add: Callable[[str, str], None]) -> None:
                                                   POLICY_LOSS_REGISTRY)
 
     est = _select(c, "algorithm.adv_estimator", "grpo")
-    if est not in ADV_ESTIMATOR_REGISTRY:
+    if not _is_one_of(est, ADV_ESTIMATOR_REGISTRY):
         add("algorithm.adv_estimator", f"unknown {est!r}; accepted: {sorted(ADV_ESTIMATOR_REGISTRY)}")
     if est == "gae":
         critic = _select(c, "critic")
@@ -311,7 +325,7 @@ def _check_algorithm(c: DictConfig, add: Callable[[str, str], None]) -> None:
     if ctrl not in KL_CTRL_TYPES:
         add("algorithm.kl_ctrl.type", f"unknown {ctrl!r}; accepted: {list(KL_CTRL_TYPES)}")
     loss = _select(c, f"{AR}.actor.policy_loss.loss_mode", "vanilla")
-    if loss not in POLICY_LOSS_REGISTRY:
+    if not _is_one_of(loss, POLICY_LOSS_REGISTRY):
         add(f"{AR}.actor.policy_loss.loss_mode", f"unknown {loss!r}; accepted: {sorted(POLICY_LOSS_REGISTRY)}")
 
 

@@ -3,8 +3,9 @@
 Start-up. First a resource-free Ray task runs in rank 0's bundle (bundle 0 of the first placement
 group, so on rank 0's node) and reports that node's IP and a free port: ``MASTER_ADDR`` /
 ``MASTER_PORT``. Then all actors are created at once, each with ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in ``runtime_env["env_vars"]``,
-plus ``RAY_USAGE_STATS_ENABLED=0`` and ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = the actor's whole
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``VERL_ARPO_GROUP_HOSTS``
+(the number of distinct node IPs of the group) in ``runtime_env["env_vars"]``, plus
+``RAY_USAGE_STATS_ENABLED=0`` and ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = the actor's whole
 CPU share (at least 1) unless ``env_vars`` overrides them. (Why not ask rank 0's actor itself?
 That serialises two actor start-ups and leaves rank 0's ``__init__`` without a master address; the
 task gives the same node and the same kind of port.) The group waits until every actor answers
@@ -55,7 +56,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from verl_arpo.single_controller.base import Worker, find_master_addr_port
+from verl_arpo.single_controller.base import GROUP_HOSTS_ENV, Worker, find_master_addr_port
 from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, get_method_spec, plan_call
 from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
 
@@ -219,6 +220,8 @@ class RayWorkerGroup:
 
         remote_cls = ray.remote(self.worker_cls)
         cargs, ckwargs = self.ray_cls_with_init.args, self.ray_cls_with_init.kwargs
+        self.node_infos = self._placeholder_infos(slots)  # for errors before the actors answer
+        ips = {info["ip"] for info in self.node_infos}
         for rank, (pg, bundle) in enumerate(slots):
             env = {
                 "RANK": str(rank),
@@ -228,9 +231,10 @@ class RayWorkerGroup:
                 "MASTER_ADDR": self.master_address,
                 "MASTER_PORT": str(self.master_port),
             }
+            if "?" not in ips:  # distinct host addresses of the group (Worker.init_process_group uses it)
+                env[GROUP_HOSTS_ENV] = str(len(ips))
             options = self._actor_options(rank, pg, bundle, env)
             self._workers.append(remote_cls.options(**options).remote(*cargs, **ckwargs))
-        self.node_infos = self._placeholder_infos(slots)  # for errors before the actors answer
         refs = [w.get_node_info.remote() for w in self._workers]
         try:
             self.node_infos = self._wait("get_node_info", list(range(world_size)), refs, init_timeout)

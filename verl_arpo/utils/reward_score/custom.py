@@ -68,7 +68,9 @@ def load_custom_reward_function(path: Any, name: Any = "compute_score",
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:
+        # [reliability, issue 9] SystemExit too: a file calling sys.exit() at import ended
+        # validate_config (and the run) with that exit code and no message naming the file
+        except (Exception, SystemExit) as exc:
             raise ImportError(
                 f"custom_reward_function.path={path!r} failed to import: {type(exc).__name__}: {exc}"
             ) from exc

@@ -10,7 +10,10 @@ Kept apart from the loop because both rules are [fix]es with their own tests:
 
 from __future__ import annotations
 
+import re
+
 RESULT_TEMPLATE = " <result>\n{text}\n</result>"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def extract_tool_call(round_text: str, stop_str: str | None) -> tuple[str, str]:
@@ -44,11 +47,7 @@ def _valid_text(text) -> str:
     `surrogateescape`) become U+FFFD. [reliability, issue 9] the Rust tokenizer rejected them with a
     TypeError that escaped into the rollout, and json dumps of such text fail too."""
     text = text if isinstance(text, str) else str(text)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    return text
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def encode_tool_result(tokenizer, text: str) -> list[int]:
