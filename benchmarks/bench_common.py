@@ -103,9 +103,9 @@ class TreeMemory:
     """Peak of the summed RSS and PSS (MiB) of a process and all its descendants, sampled in a thread.
 
     RSS is cheap to read (/proc/PID/statm) and is sampled every `interval` s. PSS needs the kernel
-    to walk the page tables (~10 ms per large process), so it is read only when the RSS sum reaches
-    a new peak, at most once per `pss_interval` s: the sampler itself must not load the machine it
-    measures. The PSS peak is therefore a close lower bound."""
+    to walk the page tables (~10 ms per large process), so it is read only after the RSS sum has
+    reached a new peak (while it stays within 5 % of it), at most once per `pss_interval` s: the
+    sampler itself must not load the machine it measures. The PSS peak is a close lower bound."""
 
     def __init__(self, pid: int, interval: float = 0.2, pss_interval: float = 1.0):
         import psutil
@@ -113,9 +113,18 @@ class TreeMemory:
         self._psutil, self.root = psutil, psutil.Process(pid)
         self.interval, self.pss_interval = interval, pss_interval
         self.peak_rss, self.peak_pss, self.samples, self._last_pss = 0.0, 0.0, 0, 0.0
+        self.peak_actor_rss, self._actors, self._pending = 0.0, set(), False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def _is_actor(self, p) -> bool:
+        """A Ray actor process (its title is `ray::ClassName...`; idle pool workers are `ray::IDLE`)."""
+        cmd = p.cmdline()
+        if cmd and cmd[0].startswith("ray::") and not cmd[0].startswith("ray::IDLE"):
+            self._actors.add(p.pid)
+            return True
+        return False
 
     def _procs(self):
         return [self.root] + self.root.children(recursive=True)
@@ -127,33 +136,38 @@ class TreeMemory:
                 procs = self._procs()
             except ps.Error:
                 break
-            rss = 0
+            rss = actors = 0
             for p in procs:
                 try:
-                    rss += p.memory_info().rss
+                    r = p.memory_info().rss
+                    rss += r
+                    if p.pid in self._actors or self._is_actor(p):
+                        actors += r
                 except ps.Error:
                     continue
             rss /= 2**20
+            self.peak_actor_rss = max(self.peak_actor_rss, actors / 2**20)
             now = time.monotonic()
             if rss > self.peak_rss:
-                self.peak_rss = rss
-                if now - self._last_pss >= self.pss_interval:
-                    self._last_pss = now
-                    pss = 0
-                    for p in procs:
-                        try:
-                            info = p.memory_full_info()
-                            pss += getattr(info, "pss", info.rss)
-                        except ps.Error:
-                            continue
-                    self.peak_pss = max(self.peak_pss, pss / 2**20)
+                self.peak_rss, self._pending = rss, True
+            if self._pending and rss >= 0.95 * self.peak_rss and now - self._last_pss >= self.pss_interval:
+                self._last_pss, self._pending = now, False
+                pss = 0
+                for p in procs:
+                    try:
+                        info = p.memory_full_info()
+                        pss += getattr(info, "pss", info.rss)
+                    except ps.Error:
+                        continue
+                self.peak_pss = max(self.peak_pss, pss / 2**20)
             self.samples += 1
             self._stop.wait(self.interval)
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join(timeout=5)
-        return {"peak_rss_mib": self.peak_rss, "peak_pss_mib": self.peak_pss, "mem_samples": self.samples}
+        return {"peak_rss_mib": self.peak_rss, "peak_pss_mib": self.peak_pss,
+                "peak_actor_rss_mib": self.peak_actor_rss, "mem_samples": self.samples}
 
 
 def run_child(cmd: list[str], timeout: float, log: Path | None = None, env: dict | None = None) -> dict[str, Any]:
@@ -341,7 +355,7 @@ def run_ours_many(specs: list[dict], tmp: Path, tag: str, timeout: float = 1800)
     for r in out["runs"]:
         r["ray_start_s"] = out["ray_start_s"]
     if len(specs) == 1:   # one run: the whole child's tree and wall time are that run's
-        out["runs"][0].update({k: res[k] for k in ("peak_rss_mib", "peak_pss_mib", "wall_s")})
+        out["runs"][0].update({k: res[k] for k in ("peak_rss_mib", "peak_pss_mib", "peak_actor_rss_mib", "wall_s")})
     return out["runs"]
 
 

@@ -136,6 +136,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.init_process_group()
         torch.manual_seed(int(seed) + self.rank)
         mcfg = self.config.model
+        if mcfg.get("external_lib", None):  # registers custom model classes with the Auto* factories
+            import importlib
+
+            importlib.import_module(mcfg.external_lib)
         path = mcfg.path
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=mcfg.get("trust_remote_code", False))
         if self.tokenizer.pad_token_id is None:

