@@ -5,10 +5,10 @@ What runs (each run a fresh subprocess, so memory and start-up are measured per 
   processes (FSDP2 on gloo, 1 torch thread each: the preset's default), the HF engine (persistent
   KV cache), no tools (plain GRPO, the same work TRL does), no reference model (no KL term);
 - TRL: `trl.GRPOTrainer` on CPU (`use_cpu=True`, `use_vllm=False`: HF `generate`), one process,
-  `beta=0` (no reference model), in two variants: 1 torch thread and torch's default (= all
-  cores). The faster variant is the baseline. (On a loaded 2-core box the multi-threaded one can be
-  several times slower: OpenMP threads wait on cores that other jobs hold; comparing against it
-  would flatter us.)
+  `beta=0` (no reference model), 1 torch thread by default; `--trl_threads 1,0` adds torch's
+  default (= all cores) as a second variant, and the faster variant is the baseline. (On a loaded
+  2-core box the multi-threaded one was ~20x slower: OpenMP threads wait on cores that other jobs
+  hold. Comparing against it would flatter us, so it is not the default baseline.)
 
 Matched settings: P prompts × n generations = one generation batch = one optimizer step (ours:
 ppo_mini_batch_size = P; TRL: per_device_train_batch_size = micro, gradient_accumulation_steps =
@@ -25,8 +25,9 @@ Metrics over the steps after the first (warm-up) step of each run:
   (shared library pages split between processes: fairer for a multi-process trainer).
 Ours and TRL runs alternate (ours, TRL, TRL, ours, ...); medians over repetitions. Goal: ours ≥ 1.5×.
 
-    python benchmarks/bench_trainer_vs_trl.py                 # tiny model, ~4 min
-    python benchmarks/bench_trainer_vs_trl.py --quick         # 2 repetitions
+    python benchmarks/bench_trainer_vs_trl.py                 # tiny model, 2 x 4 steps each, ~4 min
+    python benchmarks/bench_trainer_vs_trl.py --quick         # 2 x 3 steps each
+    python benchmarks/bench_trainer_vs_trl.py --trl_threads 1,0 --reps 3   # + TRL with all threads (slow)
     python benchmarks/bench_trainer_vs_trl.py --smoke         # 1 repetition, 2 steps (tests)
     python benchmarks/bench_trainer_vs_trl.py --model ~/.cache/verl_arpo/models/smollm2-135m-instruct \
         --prompts 2 --n 4 --response_length 64 --reps 2      # a real 135M model (slow: minutes per run)
@@ -155,11 +156,12 @@ def main(argv=None):
     p.add_argument("--response_length", type=int, default=64)
     p.add_argument("--micro", type=int, default=4, help="trajectories per forward/backward (both trainers)")
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
-    p.add_argument("--reps", type=int, default=3, help="runs of each trainer, interleaved")
-    p.add_argument("--workers", type=int, default=2, help="our worker processes (1 or 2)")
-    p.add_argument("--trl_threads", default="1,0",
+    p.add_argument("--reps", type=int, default=2, help="runs of each trainer, interleaved")
+    p.add_argument("--workers", default="2",
+                   help="our Ray worker processes; a list (1,2) runs each as a variant, the first is 'ours'")
+    p.add_argument("--trl_threads", default="1",
                    help="TRL variants by torch threads (0 = torch default = all cores); the faster is the baseline")
-    p.add_argument("--quick", action="store_true", help="2 repetitions")
+    p.add_argument("--quick", action="store_true", help="2 repetitions of 3 steps")
     p.add_argument("--smoke", action="store_true", help="1 repetition, 2 steps, 32 tokens (tests)")
     p.add_argument("--out", default=str(RESULTS / "trainer_vs_trl.json"))
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (runs' logs)")
@@ -168,7 +170,7 @@ def main(argv=None):
     if a._child:
         return _child_trl(a._child[1], a._child[2])
     if a.quick:
-        a.reps = min(a.reps, 2)
+        a.reps, a.steps = min(a.reps, 2), 3
     if a.smoke:
         a.reps, a.steps, a.response_length, a.prompts, a.n, a.trl_threads = 1, 2, 32, 2, 4, "1"
 
@@ -180,16 +182,17 @@ def main(argv=None):
     (tmp / "rows.json").write_text(json.dumps(rows))
     spec = {"model": model, "data": str(data), "rows_json": str(tmp / "rows.json"), "prompts": a.prompts, "n": a.n,
             "response_length": a.response_length, "max_prompt_length": max_prompt_tokens(model, rows),
-            "steps": a.steps, "micro": a.micro, "workers": a.workers, "lr": 1e-5}
+            "steps": a.steps, "micro": a.micro, "lr": 1e-5}
+    ours_variants = [int(w) for w in str(a.workers).split(",")]
     ok, why = trl_status()
     variants = [int(x) for x in a.trl_threads.split(",")]   # TRL torch threads; 0 = torch's default
-    sides = ["ours"] + [f"trl{v}" for v in variants]
+    sides = [f"ours_w{w}" for w in ours_variants] + [f"trl{v}" for v in variants]
     runs: dict[str, list] = {s: [] for s in sides}
     errors = []
     for rep in range(a.reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):   # interleaved: ours, trl1, trl0, trl0, trl1, ours, ...
-            if side == "ours":
-                runs["ours"].append(run_ours(spec, tmp, f"r{rep}"))
+            if side.startswith("ours"):
+                runs[side].append(run_ours(dict(spec, workers=int(side[6:])), tmp, f"{side}_r{rep}"))
             elif ok:
                 try:
                     runs[side].append(run_trl(dict(spec, trl_threads=int(side[3:])), tmp, f"{side}_r{rep}"))
@@ -215,13 +218,21 @@ def main(argv=None):
                 "startup_s": median(r["wall_s"] - sum(s["step_s"] for s in r["steps"]) for r in rs_runs),
                 "runs": len(rs_runs), "per_run": rs}
 
-    o = agg(runs["ours"])
-    trl = {s: agg(runs[s]) for s in sides[1:] if runs[s]}
+    main_side = sides[0]
+    o = agg(runs[main_side])
+    others = {s: agg(runs[s]) for s in sides[1:len(ours_variants)]}
+    trl = {s: agg(runs[s]) for s in sides[len(ours_variants):] if runs[s]}
     # the baseline is the best TRL configuration measured (on a loaded 2-core box 1 thread can win)
     best = max(trl, key=lambda s: trl[s]["train_tok_per_s"]) if trl else None
     t = trl[best] if best else None
     drop = ("per_run",)
-    table = [{"trainer": f"verl_arpo ({a.workers} Ray workers x 1 thread)", **{k: v for k, v in o.items() if k not in drop}}]
+    def ours_label(side):
+        w = int(side[6:])
+        return f"verl_arpo ({w} Ray worker{'s' if w > 1 else ''} x 1 thread)"
+
+    table = [{"trainer": ours_label(main_side), **{k: v for k, v in o.items() if k not in drop}}]
+    table += [{"trainer": ours_label(s) + " (variant)", **{k: x for k, x in v.items() if k not in drop}}
+              for s, v in others.items()]
     for s, v in trl.items():
         threads = runs[s][0].get("torch_threads")
         label = f"TRL GRPOTrainer (1 proc x {threads} thread{'s' if threads != 1 else ''}" + \
@@ -247,7 +258,8 @@ def main(argv=None):
     if t:
         summary = [
             summary_entry("trained tokens/s, ours vs TRL GRPOTrainer", o["train_tok_per_s"], t["train_tok_per_s"],
-                          o["train_tok_per_s"] / t["train_tok_per_s"], GOAL, baseline_config=table[1 + list(trl).index(best)]["trainer"]),
+                          o["train_tok_per_s"] / t["train_tok_per_s"], GOAL,
+                          ours_config=ours_label(main_side), baseline_config=table[len(ours_variants) + list(trl).index(best)]["trainer"]),
             summary_entry("rollout tokens/s, ours vs TRL GRPOTrainer", o["rollout_tok_per_s"], t["rollout_tok_per_s"],
                           o["rollout_tok_per_s"] / t["rollout_tok_per_s"], GOAL),
             summary_entry("peak RSS MiB incl. children (ratio TRL/ours)", o["peak_rss_mib"], t["peak_rss_mib"],
@@ -258,11 +270,12 @@ def main(argv=None):
     else:
         summary = [summary_entry("trained tokens/s, ours vs TRL GRPOTrainer", o["train_tok_per_s"], None, None, GOAL,
                                  note=f"TRL not measured: {why}")]
-    ours_runs, trl_runs = runs["ours"], {s: runs[s] for s in sides[1:]}
+    ours_runs = {s: runs[s] for s in sides[:len(ours_variants)]}
+    trl_runs = {s: runs[s] for s in sides[len(ours_variants):]}
     write_json(a.out, {"benchmark": "trainer_vs_trl", "args": {k: v for k, v in vars(a).items() if k != "_child"},
                        "spec": {k: v for k, v in spec.items() if k not in ("rows_json",)},
                        "trl_available": bool(t), "trl_status": why, "errors": errors,
-                       "ours": o, "trl": trl, "baseline": best, "table": text,
+                       "ours": o, "ours_variants": others, "trl": trl, "baseline": best, "table": text,
                        "ours_runs": ours_runs, "trl_runs": trl_runs, "summary": summary,
                        "machine": {**machine_info(), "load_avg_start": list(load0), "load_avg_end": list(os.getloadavg())},
                        "seconds": time.time() - t_start})

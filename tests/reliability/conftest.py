@@ -19,3 +19,25 @@ def search_api():
     api = FakeSearchAPI()
     yield api
     api.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(name, size) -> a fresh tmpfs of `size` under tmp_path (root only, else skip); unmounted after."""
+    import os
+    import subprocess
+
+    mounted = []
+
+    def mount(name, size):
+        path = tmp_path / name
+        path.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                               capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest, InferenceEngine
+from verl_arpo.workers.rollout.engines.base import GenOutput, InferenceEngine
 from verl_arpo.workers.rollout.engines.hf_engine import _StopChecker
 from verl_arpo.workers.rollout.tool_text import encode_tool_result
 
@@ -209,13 +209,6 @@ class FakeSearchAPI:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/request"
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
-
-    def queries(self) -> list[str]:
-        from urllib.parse import parse_qs, urlparse
-
-        with self._lock:
-            bodies = [r["body"] for r in self.requests]
-        return [parse_qs(urlparse(json.loads(b)["url"]).query)["q"][0] for b in bodies]
 
     def close(self):
         self.server.shutdown()

@@ -34,7 +34,8 @@ call_text = st.builds(lambda pre, tag, body, post: f"{pre}<{tag}>{body}</{tag}>{
 # mostly well-formed calls (so tools run and results come back), the rest anything at all
 turn = st.builds(FuzzTurn, st.one_of(call_text, call_text, call_text, free_text), st.booleans())
 # what a tool may hand back: text of any kind, lone surrogates, nothing, an exception
-reply = st.one_of(free_text, st.text(max_size=50), st.sampled_from(["", "   ", None, "RAISE", "TOOLERROR", "BYTES", "bad \udcff bytes"]),
+reply = st.one_of(free_text, st.text(max_size=50),
+                  st.sampled_from(["", "   ", None, "RAISE", "TOOLERROR", "BYTES", "bad \udcff bytes"]),
                   st.builds(lambda a, k: a * k, st.sampled_from(ATOMS + ["\udcff"]), st.integers(1, 300)))
 
 

@@ -37,7 +37,8 @@ CHOICES = {f"{AR}.rollout.name": ["hf", "vllm"], f"{AR}.rollout.mode": ["sync_wi
            f"{AR}.actor.loss_agg_mode": [], f"{AR}.actor.policy_loss.loss_mode": [], "algorithm.adv_estimator": []}
 NAME_LIKE = re.compile(r"^[a-z0-9_\-]+$")  # never the name of a registered estimator/loss (those are below)
 KNOWN_NAMES = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "token-mean", "seq-mean-token-sum",
-               "seq-mean-token-mean", "seq-mean-token-sum-norm", "vanilla", "grpo", "gae", "rloo", "reinforce_plus_plus",
+               "seq-mean-token-mean", "seq-mean-token-sum-norm", "vanilla", "grpo", "gae", "rloo",
+               "reinforce_plus_plus",
                "remax", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline", "clip_cov", "kl_cov", "gspo"}
 FLOATS = {f"{AR}.rollout.branch_probability": (0.0, 1.0), f"{AR}.actor.clip_ratio": (0.0, None),
           f"{AR}.actor.optim.lr": (0.0, None), f"{AR}.actor.clip_ratio_c": (1.0, None)}
@@ -47,11 +48,13 @@ FILES = ["data.train_files", f"{AR}.model.path"]
 text = st.text(max_size=10).filter(lambda s: "${" not in s)
 not_an_int_text = text.filter(lambda s: not re.fullmatch(r"[+-]?\d+", s.strip()))
 unresolvable = st.sampled_from(["???", "${no.such.key}", "${data.no_such_leaf}", "${oc.env:NO_SUCH_VAR_FOR_SURE}"])
-containers = st.one_of(st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+containers = st.one_of(st.lists(st.integers(), max_size=3),
+                       st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 nonempty_containers = st.one_of(st.lists(st.integers(), min_size=1, max_size=3),
                                 st.dictionaries(st.text(max_size=3), st.integers(), min_size=1, max_size=2))
 yaml_value = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), text, unresolvable),
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), text,
+              unresolvable),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(text, inner, max_size=3)),
     max_leaves=5)
 
@@ -100,8 +103,8 @@ def bad_setting(draw):
         key = draw(st.sampled_from(sorted(FLOATS)))
         return key, draw(bad_float(*FLOATS[key]))
     if kind == "file":
-        return draw(st.sampled_from(FILES)), draw(st.one_of(st.just("/no/such/place"), st.integers(), nonempty_containers,
-                                                              st.just(""), unresolvable))
+        return draw(st.sampled_from(FILES)), draw(st.one_of(st.just("/no/such/place"), st.integers(),
+                                                              nonempty_containers, st.just(""), unresolvable))
     if kind == "logger":
         names = text.filter(lambda s: s.strip().strip("'\"[]") and s.strip() not in LOGGER_BACKENDS
                                                         and "," not in s)

@@ -52,7 +52,8 @@ PROMPTS = {
     "absent": {"absent": (None, "prompt")},
 }
 GROUND_TRUTHS = {
-    "answer": {"ok": ("42", None), "none": (None, "reward_model.ground_truth"), "empty": ("", "reward_model.ground_truth")},
+    "answer": {"ok": ("42", None), "none": (None, "reward_model.ground_truth"),
+               "empty": ("", "reward_model.ground_truth")},
     "answer_list": {"ok": (["Paris", "City of Light"], None), "empty": ([], "reward_model.ground_truth"),
                     "none": (None, "reward_model.ground_truth")},
     "answer_int": {"ok": (42, None), "none": (None, "reward_model.ground_truth")},
@@ -86,7 +87,8 @@ def parquet_file(draw, path):
     columns = {}
     if p_kind != "absent":
         values = [PROMPTS[p_kind][p][0] for p, _, _ in rows]
-        columns["prompt"] = {"str": lambda: pa.array(values, pa.string()), "binary": lambda: pa.array(values, pa.binary()),
+        columns["prompt"] = {"str": lambda: pa.array(values, pa.string()),
+                             "binary": lambda: pa.array(values, pa.binary()),
                              "raw_string": lambda: _bad_utf8_strings(values),
                              "messages": lambda: pa.array(values, pa.list_(MESSAGE)),
                              "int": lambda: pa.array(values, pa.int64())}[p_kind]()

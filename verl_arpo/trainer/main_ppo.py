@@ -47,7 +47,10 @@ def save_masked_config(cfg: DictConfig, out_dir: str | Path | None = None) -> Pa
 
         if not HydraConfig.initialized():
             return None
-        out_dir = HydraConfig.get().runtime.output_dir
+        try:  # a compose() without a run (tests, notebooks) leaves HydraConfig without a run dir
+            out_dir = HydraConfig.get().runtime.output_dir
+        except Exception:  # noqa: BLE001 - omegaconf's MissingMandatoryValue and friends
+            return None
     path = Path(out_dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(format_config(cfg), encoding="utf-8")

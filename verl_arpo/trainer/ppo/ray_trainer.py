@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 # rollout metrics that add up over data-parallel ranks; every other one is averaged
 _SUMMED = ("branches", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
-           "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses")
+           "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses",
+           "cache_write_errors", "cache_writes")
 
 
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -334,7 +335,7 @@ class RayPPOTrainer:
         """Run a step; a dead worker becomes an error naming it and the checkpoint to resume from."""
         try:
             return fn(*args)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:  # a dead worker, or a full disk under a dump/checkpoint
             where = self.last_checkpoint or "none yet (restart from scratch)"
             raise RuntimeError(f"{e}\n[verl_arpo] training stopped at step {self.global_steps}; last complete "
                                f"checkpoint: {where}; restart with trainer.resume_mode=auto to continue") from e

@@ -12,6 +12,9 @@ Here the cache is one SQLite table in WAL mode:
   (busy_timeout), so concurrent processes all keep their entries;
 - a writer SIGKILLed at any point loses only its uncommitted transaction; the file stays valid
   (journal replay), and everything other processes committed is there.
+- a write that fails (disk full) is counted (``cache_write_errors``) and logged, never raised: a
+  cache must not turn a good search result into an error; a file that is not a database at all
+  (a copy taken mid-write) is moved aside at start-up and an empty cache is used;
 - ``synchronous=NORMAL``: a committed entry survives a process crash; an OS crash / power loss may
   drop the last few entries but never corrupts the file. That is the right trade for a cache.
 - SQLite WAL needs a local filesystem (not NFS) because it uses shared memory between processes.
@@ -35,6 +38,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Dict, Iterator, Optional, Tuple, Union
@@ -78,14 +82,43 @@ class SearchCache:
         self._stats = {"hits": 0, "misses": 0, "writes": 0}
         self._closed = False
         self._reset_process_state()
-        with self._conn() as conn:  # creating the schema also switches the file to WAL, once
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
+        try:
+            self._create_schema()
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError):  # locked, read-only, I/O error: not corruption
+                raise
+            self._set_aside(exc)
+            self._create_schema()
         if json_file is not None and json_file.exists():
             self._import_once(json_file)
         # flush queued writes at interpreter exit, without keeping the cache alive for that
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
+
+    def _create_schema(self) -> None:
+        with self._conn() as conn:  # creating the schema also switches the file to WAL, once
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+
+    def _set_aside(self, exc: Exception) -> None:
+        """[reliability, issue 9] A file that is not a valid database (a copy taken mid-write, a
+        truncated download) made the constructor raise, so the search tool was not built and the
+        whole run went on without search. It is a cache: move it aside and start an empty one."""
+        with self._conns_lock:
+            for conn in self._all_conns:
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass
+        self._reset_process_state()
+        aside = f"{self.path}.corrupt-{os.getpid()}-{int(time.time())}"
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+            except OSError:  # absent, or another process moved it first
+                pass
+        logger.warning("search cache %s is not a valid SQLite database (%s): moved it to %s and started "
+                       "an empty cache", self.path, exc, aside)
 
     # ------------------------------------------------------------------- connections / fork
     def _reset_process_state(self) -> None:

@@ -1,0 +1,152 @@
+"""Where a training step of ours spends its time, next to TRL's: cProfile of steady-state steps in
+one process, no Ray.
+
+Ours: the real driver (`RayPPOTrainer.train_step`) with the real `ActorRolloutRefWorker` called
+in-process (world size 1, FSDP2 on a 1-rank gloo group, 1 torch thread like a Ray worker). So the
+profile covers rollout, scoring, old log-probs, the update and the weight sync, but not Ray's
+transfer of DataProtos between driver and workers (the benchmark's step time includes it).
+TRL: `GRPOTrainer.train()` with the same settings as bench_trainer_vs_trl.py, 1 torch thread.
+
+    python benchmarks/profile_step.py [--model DIR] [--steps 3] [--top 25] [--trl]
+
+Prints the top functions by cumulative time (after the first, warm-up step) and a per-phase table;
+writes benchmarks/results/profile_step.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import RESULTS, max_prompt_tokens, ours_overrides, prompt_rows, tiny_model, tmpdir, write_parquet  # noqa: E402
+
+
+class LocalGroup:
+    """Stands in for a RayWorkerGroup of one: calls the worker's methods directly."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def execute_all(self, name, *a, **k):
+        return [getattr(self.worker, name)(*a, **k)]
+
+
+def _stats_text(prof: cProfile.Profile, top: int, sort: str) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(sort).print_stats(top)
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return "\n".join(lines[start:start + top + 1])
+
+
+def profile_ours(spec: dict, top: int) -> str:
+    import socket
+
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from verl_arpo.trainer.config import normalize_config, validate_config
+    from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
+    from verl_arpo.utils.reward_manager import load_reward_manager
+    from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
+
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
+        cfg = compose(config_name="cpu_tiny", overrides=ours_overrides(dict(spec, workers=1)))
+    validate_config(cfg)
+    cfg = normalize_config(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    ds = RLHFDataset(cfg.data.train_files, tok, cfg.data)
+    trainer = RayPPOTrainer(cfg, tok, ds, None, load_reward_manager(cfg, tok, num_examine=0), None)
+    worker = ActorRolloutRefWorker(OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True), role="actor_rollout_ref")
+    worker.init_model(trainer.total_training_steps, False, 0)
+    trainer.actor_rollout_wg = LocalGroup(worker)
+    trainer.n_workers = 1
+    trainer.train_step(1)   # warm-up
+    prof, phases = cProfile.Profile(), []
+    for step in range(2, spec["steps"] + 1):
+        prof.enable()
+        m = trainer.train_step(step)
+        prof.disable()
+        phases.append({k[len("timing_s/"):]: v for k, v in m.items() if k.startswith("timing_s/")})
+    keys = list(phases[0])
+    mean = {k: sum(p[k] for p in phases) / len(phases) for k in keys}
+    table = "\n".join(f"  {k:<14}{v:8.3f} s  {100 * v / mean['step']:5.1f} %" for k, v in mean.items())
+    return (f"ours, per step (mean of {len(phases)} steady steps, 1 process, 1 thread):\n{table}\n\n"
+            f"ours, top {top} by cumulative time:\n{_stats_text(prof, top, 'cumulative')}\n\n"
+            f"ours, top {top} by own time:\n{_stats_text(prof, top, 'tottime')}\n")
+
+
+def profile_trl(spec: dict, top: int) -> str:
+    import bench_trainer_vs_trl as b
+
+    out = Path(spec["out_dir"]) / "trl_out.json"
+    prof = cProfile.Profile()
+    (Path(spec["out_dir"]) / "spec.json").write_text(json.dumps(dict(spec, trl_threads=1)))
+    prof.enable()
+    b._child_trl(str(Path(spec["out_dir"]) / "spec.json"), str(out))
+    prof.disable()
+    steps = json.loads(out.read_text())["steps"][1:]
+    gen = sum(s["gen_s"] for s in steps) / len(steps)
+    step = sum(s["step_s"] for s in steps) / len(steps)
+    return (f"TRL, per step (mean of {len(steps)} steps after the first): step {step:.3f} s, generate {gen:.3f} s, "
+            f"rest {step - gen:.3f} s\n(profile includes start-up and the warm-up step)\n\n"
+            f"TRL, top {top} by cumulative time:\n{_stats_text(prof, top, 'cumulative')}\n\n"
+            f"TRL, top {top} by own time:\n{_stats_text(prof, top, 'tottime')}\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--response_length", type=int, default=64)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trl", action="store_true", help="also profile TRL's GRPOTrainer (run in this process)")
+    p.add_argument("--out", default=str(RESULTS / "profile_step.txt"))
+    a = p.parse_args(argv)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    tmp = tmpdir("profile_step_")
+    model = a.model or tiny_model(tmp)
+    rows = prompt_rows(a.prompts * a.steps)
+    data = write_parquet(rows, tmp / "train.parquet")
+    (tmp / "rows.json").write_text(json.dumps(rows))
+    spec = {"model": model, "data": str(data), "rows_json": str(tmp / "rows.json"), "prompts": a.prompts, "n": a.n,
+            "response_length": a.response_length, "max_prompt_length": max_prompt_tokens(model, rows),
+            "steps": a.steps, "micro": 4, "out_dir": str(tmp / "run"), "lr": 1e-5}
+    t0 = time.time()
+    text = (f"profile_step: model={a.model or 'tiny'} P={a.prompts} n={a.n} response={a.response_length} "
+            f"load average {os.getloadavg()[0]:.1f}\n\n" + profile_ours(spec, a.top))
+    if a.trl:
+        text += "\n" + profile_trl(dict(spec, out_dir=str(tmp / "trl")), a.top)
+    print(text)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text)
+    print(f"wrote {a.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
