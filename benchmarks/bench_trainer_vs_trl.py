@@ -54,7 +54,8 @@ GOAL = 1.5
 
 
 # ------------------------------------------------------------------------------------ TRL child
-def _child_trl(spec_path: str, out_path: str) -> None:
+def _child_trl(spec_path: str, out_path: str, profiler=None) -> None:
+    """One TRL run (in this process); `profiler` (a cProfile.Profile) is enabled around train() only."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -112,7 +113,11 @@ def _child_trl(spec_path: str, out_path: str) -> None:
     trainer = Timed(model=spec["model"], reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
                     processing_class=tok, callbacks=[StepClock()])
     init_s = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.enable()
     trainer.train()
+    if profiler is not None:
+        profiler.disable()
     total = time.perf_counter() - t0
     step_s = [b - a for a, b in zip(step_ends, step_ends[1:])]
     steps = [{"step": i + 1, "step_s": step_s[i], "gen_s": stats["gen_s"][i], "gen_tokens": stats["gen_tokens"][i],

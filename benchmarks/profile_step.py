@@ -5,7 +5,8 @@ Ours: the real driver (`RayPPOTrainer.train_step`) with the real `ActorRolloutRe
 in-process (world size 1, FSDP2 on a 1-rank gloo group, 1 torch thread like a Ray worker). So the
 profile covers rollout, scoring, old log-probs, the update and the weight sync, but not Ray's
 transfer of DataProtos between driver and workers (the benchmark's step time includes it).
-TRL: `GRPOTrainer.train()` with the same settings as bench_trainer_vs_trl.py, 1 torch thread.
+TRL: `GRPOTrainer.train()` with the same settings as bench_trainer_vs_trl.py, 1 torch thread, in
+its own process.
 
     python benchmarks/profile_step.py [--model DIR] [--steps 3] [--top 25] [--trl]
 
@@ -102,17 +103,16 @@ def profile_ours(spec: dict, top: int) -> str:
 def profile_trl(spec: dict, top: int) -> str:
     import bench_trainer_vs_trl as b
 
+    Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     out = Path(spec["out_dir"]) / "trl_out.json"
     prof = cProfile.Profile()
     (Path(spec["out_dir"]) / "spec.json").write_text(json.dumps(dict(spec, trl_threads=1)))
-    prof.enable()
-    b._child_trl(str(Path(spec["out_dir"]) / "spec.json"), str(out))
-    prof.disable()
+    b._child_trl(str(Path(spec["out_dir"]) / "spec.json"), str(out), profiler=prof)
     steps = json.loads(out.read_text())["steps"][1:]
     gen = sum(s["gen_s"] for s in steps) / len(steps)
     step = sum(s["step_s"] for s in steps) / len(steps)
     return (f"TRL, per step (mean of {len(steps)} steps after the first): step {step:.3f} s, generate {gen:.3f} s, "
-            f"rest {step - gen:.3f} s\n(profile includes start-up and the warm-up step)\n\n"
+            f"rest {step - gen:.3f} s\n(profile: trainer.train() only, warm-up step included)\n\n"
             f"TRL, top {top} by cumulative time:\n{_stats_text(prof, top, 'cumulative')}\n\n"
             f"TRL, top {top} by own time:\n{_stats_text(prof, top, 'tottime')}\n")
 
@@ -125,9 +125,14 @@ def main(argv=None):
     p.add_argument("--response_length", type=int, default=64)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--trl", action="store_true", help="also profile TRL's GRPOTrainer (run in this process)")
+    p.add_argument("--trl", action="store_true", help="also profile TRL's GRPOTrainer (in a subprocess)")
+    p.add_argument("--_trl_only", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(RESULTS / "profile_step.txt"))
     a = p.parse_args(argv)
+    if a._trl_only:   # child: TRL alone (in the same process as ours, accelerate would see our gloo group)
+        spec = json.loads(Path(a._trl_only[0]).read_text())
+        Path(a._trl_only[1]).write_text(profile_trl(spec, a.top))
+        return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     tmp = tmpdir("profile_step_")
     model = a.model or tiny_model(tmp)
@@ -141,7 +146,17 @@ def main(argv=None):
     text = (f"profile_step: model={a.model or 'tiny'} P={a.prompts} n={a.n} response={a.response_length} "
             f"load average {os.getloadavg()[0]:.1f}\n\n" + profile_ours(spec, a.top))
     if a.trl:
-        text += "\n" + profile_trl(dict(spec, out_dir=str(tmp / "trl")), a.top)
+        import subprocess
+
+        (tmp / "trl_spec.json").write_text(json.dumps(dict(spec, out_dir=str(tmp / "trl"))))
+        r = subprocess.run([sys.executable, __file__, "--top", str(a.top), "--_trl_only", str(tmp / "trl_spec.json"),
+                            str(tmp / "trl.txt")], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items()   # not our 1-rank group's variables:
+                                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                             "MASTER_ADDR", "MASTER_PORT")})   # accelerate would go distributed
+        if r.returncode != 0:
+            raise RuntimeError(f"TRL profile failed:\n{r.stderr[-3000:]}")
+        text += "\n" + (tmp / "trl.txt").read_text()
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
