@@ -198,11 +198,15 @@ def run_child(cmd: list[str], timeout: float, log: Path | None = None, env: dict
     return {"rc": rc, "wall_s": time.perf_counter() - t0, **m}
 
 
-def tail(path: Path, n: int = 2500) -> str:
+def tail(path: Path, n: int = 3000) -> str:
+    """The end of a log, starting at its last traceback when there is one (Ray's worker chatter
+    would otherwise push the error out of the window)."""
     try:
-        return Path(path).read_text(errors="replace")[-n:]
+        text = Path(path).read_text(errors="replace")
     except OSError:
         return ""
+    i = text.rfind("Traceback (most recent call last)")
+    return text[i:i + n] if i >= 0 else text[-n:]
 
 
 # --------------------------------------------------------------------------------- data and models

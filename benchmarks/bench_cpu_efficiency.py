@@ -5,7 +5,8 @@ measured matmul peak, and against a plain PyTorch training loop on the same mode
   before, between and after the training runs (median taken); the peak of k single-threaded
   workers is k × that. (The all-core matmul is printed too; on a loaded 2-core box its threads
   wait on cores other jobs hold, so it understates the machine.)
-- Ours: `run_ppo` (cpu_tiny preset, 2 workers, FSDP2 on gloo, fp32, plain GRPO), achieved FLOP/s =
+- Ours: `run_ppo` (cpu_tiny preset, 1 worker by default (`--workers 2` for data parallel), FSDP2 on
+  gloo, fp32, plain GRPO), achieved FLOP/s =
   6 · params · trained tokens / `timing_s/update_actor` (the update phase only: forward, backward,
   optimizer; the old-log-prob forward and the rollout are not counted). Tokens are the real
   (unpadded) prompt + response tokens; work spent on padding counts against us.
@@ -128,6 +129,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=2, help="runs of ours and of the plain loop, interleaved")
     p.add_argument("--matmul_n", type=int, default=1024)
     p.add_argument("--plain_threads", type=int, default=1, help="torch threads of the plain loop (0 = default)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="our Ray workers (1 thread each). Default 1: the same one core as the plain loop, so the "
+                        "comparison is the framework's overhead, not how a loaded machine shares its cores")
     p.add_argument("--quick", action="store_true", help="1 repetition")
     p.add_argument("--smoke", action="store_true", help="small model, 1 repetition, 2 steps (tests)")
     p.add_argument("--out", default=str(RESULTS / "cpu_efficiency.json"))
@@ -150,7 +154,7 @@ def main(argv=None):
     (tmp / "rows.json").write_text(json.dumps(rows))
     spec = {"model": model, "data": str(data), "rows_json": str(tmp / "rows.json"), "prompts": a.prompts, "n": a.n,
             "response_length": a.response_length, "max_prompt_length": max_prompt_tokens(model, rows),
-            "steps": a.steps, "micro": 4, "workers": 2, "plain_threads": a.plain_threads}
+            "steps": a.steps, "micro": 4, "workers": a.workers, "plain_threads": a.plain_threads}
     peak_runs, ours_flops, plain_flops, ours_runs, plain_runs = [peaks(a.matmul_n)], [], [], [], []
     for rep in range(a.reps):
         for side in (("ours", "plain") if rep % 2 == 0 else ("plain", "ours")):

@@ -76,27 +76,34 @@ def adapt_rollout(d) -> list[dict]:
 def adapt_branching(d) -> list[dict]:
     rows = {r["setting"]: r for r in d["rows"]}
     g = rows["GRPO (baseline)"]
+    a = d.get("args", {})
+    trajs = (a.get("prompts") or 0) * (a.get("n") or 0) * (a.get("seeds") or 1)
     out = []
     for name in ("ARPO", "AEPO (dynamic)"):
         r = rows.get(name)
         if r is None:
             continue
-        # fewer tool executions per trajectory is better: ratio = GRPO / ours
+        # fewer tool executions per trajectory is better: ratio = GRPO / ours. With a handful of
+        # calls in either setting the ratio is noise (0 / x or x / 0): say so instead.
+        calls = (r["tool_exec_per_traj"] * trajs, g["tool_exec_per_traj"] * trajs)
+        enough = min(calls) >= 4
+        note = None if enough else (f"too few tool calls to compare ({name} {calls[0]:.0f}, GRPO {calls[1]:.0f} "
+                                    f"over {trajs} trajectories): the model rarely calls tools")
         out.append(summary_entry(f"tool executions per trajectory at equal n, GRPO / {name} (paper: about half)",
                                  r["tool_exec_per_traj"], g["tool_exec_per_traj"],
-                                 g["tool_exec_per_traj"] / r["tool_exec_per_traj"] if r["tool_exec_per_traj"] else None,
-                                 2.0, reward=r["reward_mean"], reward_grpo=g["reward_mean"]))
+                                 g["tool_exec_per_traj"] / r["tool_exec_per_traj"] if enough else None,
+                                 2.0, reward=r["reward_mean"], reward_grpo=g["reward_mean"], note=note))
         out.append(summary_entry(f"generated tokens per trajectory token, GRPO / {name}", r["gen_per_traj_token"],
                                  g["gen_per_traj_token"], g["gen_per_traj_token"] / r["gen_per_traj_token"], 1.0))
-    a = d.get("args", {})
     for e in out:
-        e["model"] = a.get("model") or "tiny tool model"
+        e["model"] = a.get("model") or "tiny tool model (its own prompt)"
         e["data"] = a.get("data")
     return out
 
 
-ADAPT = {"tools": adapt_tools, "rollout_engine": adapt_rollout, "branching": adapt_branching}
-ORDER = ["trainer_vs_trl", "branching", "rollout_engine", "tools", "scaling", "cpu_efficiency"]
+ADAPT = {"tools": adapt_tools, "rollout_engine": adapt_rollout, "branching": adapt_branching,
+         "branching_tiny": adapt_branching}
+ORDER = ["trainer_vs_trl", "branching_tiny", "branching", "rollout_engine", "tools", "scaling", "cpu_efficiency"]
 
 
 def collect(results: Path) -> dict[str, list[dict]]:
@@ -128,7 +135,8 @@ def markdown(details: dict[str, list[dict]]) -> str:
              "|---|---|---:|---:|---:|---:|:-:|"]
     for name, entries in details.items():
         for e in entries:
-            lines.append(f"| {name} | {e['metric']} | {fmt(e['ours'])} | {fmt(e['baseline'])} | "
+            metric = e["metric"] + (f" ({e['note']})" if e.get("note") else "")
+            lines.append(f"| {name} | {metric} | {fmt(e['ours'])} | {fmt(e['baseline'])} | "
                          f"{fmt(e['ratio'])} | {fmt(e['goal'])} | {fmt(e.get('met'))} |")
     return "\n".join(lines)
 
