@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -182,7 +183,7 @@ def main(argv=None):
               {"what": "matmul peak bf16, 1 thread", "GFLOP_s": pk["bf16_1t"] / G},
               {"what": f"matmul fp32, {nc} threads (for reference)", "GFLOP_s": pk["fp32_all"] / G},
               {"what": f"matmul bf16, {nc} threads (for reference)", "GFLOP_s": pk["bf16_all"] / G},
-              {"what": f"ours: actor update ({W} workers x 1 thread, fp32)", "GFLOP_s": ours / G,
+              {"what": f"ours: actor update ({W} worker{'s' if W > 1 else ''} x 1 thread, fp32)", "GFLOP_s": ours / G,
                "peak_fp32_GFLOP_s": ours_fp32 / G, "of_fp32_peak": ours / ours_fp32, "of_bf16_peak": ours / ours_bf16},
               {"what": f"plain PyTorch loop (1 proc x {T} thread{'s' if T > 1 else ''}, fp32)", "GFLOP_s": plain / G,
                "peak_fp32_GFLOP_s": plain_fp32 / G, "of_fp32_peak": plain / plain_fp32,
@@ -194,9 +195,9 @@ def main(argv=None):
     text = print_table(rows_t, ["what", "GFLOP_s", "peak_fp32_GFLOP_s", "of_fp32_peak", "of_bf16_peak"])
     print(f"fraction of peak, ours / plain loop (per core): {eff_ratio:.2f}")
     summary = [
-        summary_entry(f"actor-update FLOP/s / fp32 matmul peak ({W} cores x 1-thread peak)", ours / G, ours_fp32 / G,
+        summary_entry(f"actor-update FLOP/s / fp32 matmul peak ({W} core{'s' if W > 1 else ''} x 1-thread peak)", ours / G, ours_fp32 / G,
                       ours / ours_fp32, 0.3),
-        summary_entry(f"actor-update FLOP/s / bf16 matmul peak ({W} cores x 1-thread peak)", ours / G, ours_bf16 / G,
+        summary_entry(f"actor-update FLOP/s / bf16 matmul peak ({W} core{'s' if W > 1 else ''} x 1-thread peak)", ours / G, ours_bf16 / G,
                       ours / ours_bf16, None),
         summary_entry("fraction of fp32 peak per core, ours / plain PyTorch training loop", ours / ours_fp32,
                       plain / plain_fp32, eff_ratio, 0.8),
@@ -207,6 +208,7 @@ def main(argv=None):
                        "ours_runs": ours_runs, "plain_runs": plain_runs,
                        "machine": {**machine_info(), "load_avg_start": list(load0), "load_avg_end": list(os.getloadavg())},
                        "seconds": time.time() - t_start})
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

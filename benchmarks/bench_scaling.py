@@ -17,13 +17,14 @@ Reported, relative to the smallest setting (medians over its runs):
   workers (the Ray actors: model, optimizer, activations, KV cache), and per token.
 Expectation: time linear in tokens, peak memory flat (the token budget caps a micro-batch).
 
-    python benchmarks/bench_scaling.py [--quick | --smoke] [--reps 2]
+    python benchmarks/bench_scaling.py [--quick | --smoke] [--reps 3]     # default: 2 passes, ~3 min
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,12 +43,14 @@ def main(argv=None):
     p.add_argument("--response_length", type=int, default=64, help="response length of the smallest setting")
     p.add_argument("--factors", default="1,2,4", help="multipliers of batch and of response length")
     p.add_argument("--steps", type=int, default=3, help="steps per run (the first is warm-up)")
-    p.add_argument("--reps", type=int, default=1, help="passes over the settings (alternating order)")
+    p.add_argument("--reps", type=int, default=2, help="passes over the settings (alternating order)")
     p.add_argument("--max_token_len", type=int, default=2048, help="ppo_max_token_len_per_gpu (dynamic bsz)")
-    p.add_argument("--quick", action="store_true", help="factors 1,2,4, 3 steps, 1 pass (default sizes)")
+    p.add_argument("--quick", action="store_true", help="1 pass (the 1x setting still runs first and last)")
     p.add_argument("--smoke", action="store_true", help="factors 1,2, 2 steps, response 16 (tests)")
     p.add_argument("--out", default=str(RESULTS / "scaling.json"))
     a = p.parse_args(argv)
+    if a.quick:
+        a.reps = 1
     if a.smoke:
         a.factors, a.steps, a.response_length, a.reps = "1,2", 2, 16, 1
     factors = [int(f) for f in a.factors.split(",")]
@@ -115,6 +118,7 @@ def main(argv=None):
                        "runs": [{"label": s["label"], **r} for s, r in zip(specs, runs)],
                        "machine": {**machine_info(), "load_avg_start": list(load0), "load_avg_end": list(os.getloadavg())},
                        "seconds": time.time() - t_start})
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

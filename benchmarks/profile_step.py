@@ -21,6 +21,7 @@ import cProfile
 import io
 import json
 import os
+import shutil
 import pstats
 import sys
 import time
@@ -161,6 +162,7 @@ def main(argv=None):
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
     print(f"wrote {a.out} ({time.time() - t0:.0f} s)")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

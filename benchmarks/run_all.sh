@@ -2,8 +2,8 @@
 # Run every benchmark, one after the other, then write benchmarks/results/summary.json (+ summary.md)
 # and refresh the table in benchmarks/README.md.
 #
-#   bash benchmarks/run_all.sh            # default sizes (~25 min on a busy 2-core box)
-#   bash benchmarks/run_all.sh --quick    # smaller sizes (~15 min)
+#   bash benchmarks/run_all.sh            # default sizes (~20 min on a busy 2-core box)
+#   bash benchmarks/run_all.sh --quick    # smaller sizes (~10 min)
 #
 # Every figure is a ratio against a baseline measured in the same run; the machine's load average
 # at start and end goes into the summary. A benchmark that fails is named in the summary and the
@@ -61,8 +61,8 @@ if [[ $QUICK == 1 ]]; then BR=(--prompts 8 --seeds 1); else BR=(--prompts 16 --s
 run branching_tiny benchmarks/bench_branching.py "${BR[@]}" --out benchmarks/results/branching_tiny.json
 SFT=outputs/quickstart/sft_model
 if [[ -f $SFT/config.json && -f $SFT/tokenizer_config.json ]]; then
-  if [[ $QUICK == 1 ]]; then BR=(--prompts 6 --n 4 --initial_rollouts 2 --seeds 1 --response_length 160)
-  else BR=(--prompts 8 --n 8 --initial_rollouts 4 --seeds 1 --response_length 256); fi
+  if [[ $QUICK == 1 ]]; then BR=(--prompts 4 --n 4 --initial_rollouts 2 --seeds 1 --response_length 128)
+  else BR=(--prompts 6 --n 4 --initial_rollouts 2 --seeds 1 --response_length 160); fi
   run branching benchmarks/bench_branching.py --model "$SFT" --data rl_datasets/test.parquet "${BR[@]}"
 else
   echo "(no $SFT: run scripts/quickstart.sh first for the bundled-task branching benchmark)"
