@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,7 +61,8 @@ def per_question(report: dict) -> list[float]:
 
 def reward_curve(metrics_file: Path, png: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in open(metrics_file)] if metrics_file.exists() else []
-    pts = [(m["step"], m["critic/score/mean"]) for m in rows if "critic/score/mean" in m]
+    # a resumed run appends to metrics.jsonl: the last line of a step is the one that counts
+    pts = sorted({m["step"]: m["critic/score/mean"] for m in rows if "critic/score/mean" in m}.items())
     if pts:
         import matplotlib
 
@@ -106,8 +108,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     console = Console()
 
+    # Seconds each stage took when it last ran: a re-run that reuses a stage's output still reports
+    # what that stage cost. Once a stage runs, every later stage is stale and runs again.
+    times_file = out / "stage_seconds.json"
+    times: dict[str, float] = json.loads(times_file.read_text()) if times_file.exists() and not a.force else {}
+    stale = a.force
+
     def done(path: Path) -> bool:
-        return path.exists() and not a.force
+        return path.exists() and not stale
+
+    def ran(name: str, seconds: float) -> None:
+        nonlocal stale
+        stale = True
+        times[name] = round(seconds, 1)
+        times_file.write_text(json.dumps(times, indent=2))
 
     stages = ["prepare", "eval base", "sft", "eval sft", "rl", "merge", "eval rl", "summary"]
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -148,15 +162,19 @@ def main(argv: list[str] | None = None) -> dict:
             nonlocal t_eval
             t = stage(f"eval {tag}")
             path = out / f"eval_{tag}.json"
-            if not done(path):
+            if done(path):
+                t_eval += times.get(f"eval_{tag}", 0.0)
+            else:
                 cmd = [PY, "-m", "verl_arpo.trainer.main_eval", "--model", str(model_dir), "--data",
-                       str(ROOT / "rl_datasets" / "test.parquet"), "--k", "1", "--dtype", "bfloat16",
-                       "--max_response_length", "288", "--batch_size", "64", "--out", str(path)]
+                       str(ROOT / "rl_datasets" / "test.parquet"), "--k", "1", "--max_response_length", "288",
+                       # fp32 beats bf16 on CPU at this batch (the LM head dominates); all questions in one batch
+                       "--dtype", "float32", "--batch_size", "150", "--max_batch_size", "150", "--out", str(path)]
                 if test_limit:
                     cmd += ["--limit", str(test_limit)]
                 _run(cmd, logs / f"eval_{tag}.log", env)
+                ran(f"eval_{tag}", time.perf_counter() - t)
+                t_eval += times[f"eval_{tag}"]
             evals[tag] = json.loads(path.read_text())
-            t_eval += time.perf_counter() - t
             bar.advance(task)
 
         evaluate("base", base)
@@ -167,13 +185,14 @@ def main(argv: list[str] | None = None) -> dict:
         if not done(sft_dir / "config.json"):
             cmd = [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
                    f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
-                   f"trainer.total_epochs={a.sft_epochs or 1}", "optim.lr=5e-5", "data.train_batch_size=16",
+                   f"trainer.total_epochs={a.sft_epochs or 1}", "optim.lr=1e-4", "data.train_batch_size=16",
                    "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
                    "model.autocast_dtype=bfloat16",
-                   # a cold start teaches the format, not the task: 8 steps × 16 conversations on a CPU
-                   f"trainer.total_training_steps={a.sft_steps or (2 if a.smoke else 8)}"]
+                   # a cold start teaches the format, not the task: 12 steps × 16 conversations on a CPU
+                   f"trainer.total_training_steps={a.sft_steps or (2 if a.smoke else 12)}"]
             _run(cmd, logs / "sft.log", env)
-        wall["sft"] = time.perf_counter() - t0
+            ran("sft", time.perf_counter() - t0)
+        wall["sft"] = times.get("sft", 0.0)
         bar.advance(task)
         evaluate("sft", sft_dir)
 
@@ -183,7 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
         from verl_arpo.utils.checkpoint import find_latest_ckpt_path
 
         latest = find_latest_ckpt_path(str(rl_root))
-        if a.force or latest is None or not latest.endswith(f"global_step_{rl_steps}"):
+        if stale or latest is None or not latest.endswith(f"global_step_{rl_steps}"):
+            # checkpoints of an older SFT model must not be resumed; a run that crashed before its
+            # first checkpoint starts over; otherwise main_ppo resumes from the latest checkpoint
+            if rl_root.exists() and (stale or latest is None):
+                shutil.rmtree(rl_root)
             algo = {"arpo": [], "grpo": ["actor_rollout_ref.rollout.initial_rollouts=null"],
                     "aepo": ["actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
                              "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
@@ -196,15 +219,19 @@ def main(argv: list[str] | None = None) -> dict:
                   f"hydra.run.dir={rl_root / 'hydra'}", *algo,
                   *(["data.max_prompt_length=384"] if a.tiny else [])],  # the tiny tokenizer needs more tokens
                  logs / "rl.log", env)
-        wall["rl"] = time.perf_counter() - t0
+            ran("rl", time.perf_counter() - t0)
+        wall["rl"] = times.get("rl", 0.0)
         bar.advance(task)
 
         # ---------------------------------------------------------------- merge
         stage("merge")
         hf_dir = out / "rl_model_hf"
-        if not done(hf_dir / "config.json") or a.force:
+        if not done(hf_dir / "config.json"):
+            t0 = time.perf_counter()
             _run([PY, str(ROOT / "merge_ckpt" / "convert_verl_to_hf.py"), "--verl_checkpoint", str(rl_root),
                   "--output_dir", str(hf_dir)], logs / "merge.log", env)
+            ran("merge", time.perf_counter() - t0)
+        wall["merge"] = times.get("merge", 0.0)
         bar.advance(task)
         evaluate("rl", hf_dir)
 

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[2]
 
 ALGOS = {
-    "grpo": [],
+    "grpo": ["actor_rollout_ref.actor.ppo_mini_batch_size=2"],  # one mini-batch: strictly on-policy
     "arpo": ["actor_rollout_ref.rollout.initial_rollouts=2", "trainer.val_before_train=true", "trainer.test_freq=2",
              "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
              "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
@@ -68,8 +68,7 @@ def _jsonl(out_dir):
 
 
 REQUIRED = ["critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
-            "response_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
-            "timing_s/update_actor", "timing_s/weight_sync", "perf/throughput", "rollout/tokens_generated",
+            "response_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/update_actor", "timing_s/weight_sync", "perf/throughput", "rollout/tokens_generated",
             "tools/calls_per_traj"]
 
 
@@ -90,6 +89,8 @@ def test_two_steps_each_algorithm(algo, ray_local, tool_model_dir, toy_data, tmp
             assert key in m, key
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, (int, float)))
         assert m["tools/calls"] > 0  # the over-fitted policy really called the sandbox / search
+    for m in lines:  # on-policy (one mini-batch) the update's own forward replaces the old-log-prob pass
+        assert ("timing_s/old_log_prob" in m) == (algo != "grpo"), algo
     if algo == "grpo":
         assert "timing_s/ref" not in lines[0]  # [fix] no reference forward without a KL weight
         assert lines[0].get("rollout/branches", 0) == 0

@@ -211,6 +211,30 @@ def test_update_gradient_is_the_minibatch_objective(model, mode):
     assert metrics["actor/pg_loss"][0] == pytest.approx(objective, rel=1e-4, abs=1e-6)
 
 
+def test_on_policy_update_without_old_log_probs(model):
+    """No old_log_probs (the trainer skipped the pass): π_old is the update's own forward, detached —
+    the gradient equals the reference objective with old = the plain per-row forward's log-probs."""
+    data = make_batch(model.config.vocab_size, seed=5)
+    with torch.no_grad():
+        rows = per_row_outputs(model, data)
+    old = torch.zeros_like(data.batch["old_log_probs"])
+    for (b, t), (lp, _) in rows.items():
+        old[b, t] = lp
+    data.batch["old_log_probs"] = old
+    ref = reference_grad(model, data)
+    data.batch.pop("old_log_probs")
+    got, metrics = actor_grad(model, data, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=25)
+    assert_grads_close(got, ref)
+    assert metrics["actor/ppo_kl"][0] == 0.0 and metrics["actor/pg_clipfrac"][0] == 0.0  # ratio is exactly 1
+    m = data.batch["response_mask"].bool()
+    hs = torch.stack([rows[k][1] for k in sorted(rows) if m[k]])
+    assert metrics["actor/entropy"][0] == pytest.approx(hs.mean().item(), rel=1e-4)  # the metric survives
+    with pytest.raises(KeyError, match="on-policy"):  # two mini-batches: the second is off-policy
+        actor_grad(model, data, ppo_mini_batch_size=len(data) // 2)
+    with pytest.raises(KeyError, match="on-policy"):
+        actor_grad(model, data, ppo_epochs=2)
+
+
 def test_entropy_bonus_and_kl_loss(model):
     data = make_batch(model.config.vocab_size, seed=3)
     cfg = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")

@@ -339,12 +339,13 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
                 nll_sum += float(nll.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            used_lr = optim.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on below)
             optim.step()
             optim.zero_grad(set_to_none=True)
             sched.step()
             step += 1
             rec = {"step": step, "epoch": epoch, "loss": _all_reduce_sum(nll_sum, device) / max(1, n_targets),
-                   "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "targets": n_targets,
+                   "grad_norm": grad_norm, "lr": used_lr, "targets": n_targets,
                    "seconds": time.time() - t0}
             history.append(rec)
             if rank == 0 and (step % int(cfg.trainer.log_freq) == 0 or step == total):

@@ -295,11 +295,12 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         offload = bool(self.config.actor.fsdp_config.get("optimizer_offload", False)) and self.device_name != "cpu"
         if offload:
             move_optimizer_state(self.actor_optimizer, self.device_name)
+        lr = self.lr_scheduler.get_last_lr()[0]  # the rate this update uses
         metrics = self.actor.update_policy(data)
         if offload:  # keep the moments on the host while rollout and log-probs need the memory
             move_optimizer_state(self.actor_optimizer, "cpu")
         self.lr_scheduler.step()
-        metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["actor/lr"] = lr
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -171,6 +171,14 @@ class RayPPOTrainer:
         batch.batch["token_level_scores"] = result["reward_tensor"]
         return result.get("reward_extra_info", {})
 
+    def _on_policy(self, n_rows: int) -> bool:
+        """One epoch, one mini-batch and nothing else reading π_old: the old-log-prob pass would
+        recompute exactly the log-probs the update's first forward computes, so it is skipped
+        (`actor.skip_old_log_prob_on_policy`). ppo_mini_batch_size is per worker here (normalized)."""
+        actor = self.config.actor_rollout_ref.actor
+        return (bool(actor.get("skip_old_log_prob_on_policy", True)) and int(actor.get("ppo_epochs", 1)) == 1
+                and int(actor.ppo_mini_batch_size) * self.n_workers >= n_rows and not self.use_kl_in_reward)
+
     def train_step(self, step: int) -> dict[str, float]:
         cfg, timing, metrics = self.config, {}, {}
         with timed("step", timing):
@@ -183,11 +191,12 @@ class RayPPOTrainer:
                 self._balance_batch(batch, metrics)
             with timed("reward", timing):
                 extra = self._score(batch, self.reward_fn)
-            with timed("old_log_prob", timing):
-                lp = self.actor_rollout_wg.compute_log_prob(batch)
-                entropy = lp.batch.pop("entropys")
-                metrics["actor/entropy"] = masked_mean(entropy, batch.batch["response_mask"]).item()
-                batch = batch.union(lp)
+            if not self._on_policy(len(batch)):  # else the update's own forward gives π_old (detached)
+                with timed("old_log_prob", timing):
+                    lp = self.actor_rollout_wg.compute_log_prob(batch)
+                    entropy = lp.batch.pop("entropys")
+                    metrics["actor/entropy"] = masked_mean(entropy, batch.batch["response_mask"]).item()
+                    batch = batch.union(lp)
             if self.use_reference_policy:
                 with timed("ref", timing):
                     batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))

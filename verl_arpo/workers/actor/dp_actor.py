@@ -4,6 +4,8 @@ Data layout (from the rollout; P prompt slots left-padded, R response slots righ
 `input_ids`, `attention_mask`, `position_ids` [B, P+R]; `responses`, `response_mask` [B, R]
 (loss mask m: 0 on tool results, forced tokens, padding); for the update also `old_log_probs`,
 `advantages` and, with use_kl_loss, `ref_log_prob` [B, R]. logits[:, −R−1:−1] score the responses.
+Without `old_log_probs` the update must be strictly on-policy (ppo_epochs=1, one mini-batch): π_old
+is then the update's own forward, detached (ratio 1, same gradient), saving a whole forward pass.
 
 Exact mini-batch objective. One optimizer step = one mini-batch. Every micro-batch loss is
 aggregated with the *mini-batch's* global counts (core_algos.agg_loss: `batch_num_tokens` = valid
@@ -313,14 +315,19 @@ class DataParallelPPOActor:
         aepo_adv = bool(cfg_get(c, "enable_entropy_balanced_advantage", False))
         mask = micro["response_mask"]
         # [fix] H is computed whenever the AEPO advantage needs it, not only when entropy_coeff != 0.
+        on_policy = "old_log_probs" not in micro.keys()
         entropy, log_prob = self._forward_micro_batch(
-            micro, temperature, calculate_entropy=aepo_adv or entropy_coeff != 0, entropy_grad=entropy_coeff != 0)
+            micro, temperature, calculate_entropy=aepo_adv or entropy_coeff != 0 or on_policy,
+            entropy_grad=entropy_coeff != 0)
+        # Strictly on-policy (one epoch, one mini-batch): π_old is the current policy, so its
+        # log-probs are this forward's, detached — the separate old-log-prob pass is skipped.
+        old_log_prob = log_prob.detach() if on_policy else micro["old_log_probs"]
         advantages = micro["advantages"]
         if aepo_adv:
             advantages = compute_entropy_aware_advantage(advantages, entropy.detach(), mask,
                                                          alpha=float(cfg_get(c, "entropy_advantage_alpha", 0.2)))
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
-            old_log_prob=micro["old_log_probs"], log_prob=log_prob, advantages=advantages, response_mask=mask,
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
             loss_agg_mode=mode, config=c, **agg)
         loss = pg_loss
         stats = dict(pg_loss=pg_loss.item(), pg_clipfrac=clipfrac.item(), ppo_kl=ppo_kl.item(),
@@ -348,7 +355,14 @@ class DataParallelPPOActor:
         if "temperature" not in data.meta_info:
             raise KeyError("update_policy needs meta_info['temperature'] (the rollout temperature)")
         temperature = float(data.meta_info["temperature"])
-        keys = ["responses", "input_ids", "attention_mask", "position_ids", "old_log_probs", "advantages"]
+        keys = ["responses", "input_ids", "attention_mask", "position_ids", "advantages"]
+        mini_size = int(cfg_get(c, "ppo_mini_batch_size", len(data)))
+        if "old_log_probs" in data.batch.keys():
+            keys.append("old_log_probs")
+        elif int(cfg_get(c, "ppo_epochs", 1)) != 1 or mini_size < len(data):
+            raise KeyError("update_policy needs 'old_log_probs' (compute_log_prob) unless the update is strictly "
+                           f"on-policy: ppo_epochs=1 and one mini-batch (ppo_mini_batch_size {mini_size} >= "
+                           f"{len(data)} rows)")
         if cfg_get(c, "use_kl_loss", False):
             keys.append("ref_log_prob")
         batch = data.select(batch_keys=keys).batch
@@ -356,7 +370,6 @@ class DataParallelPPOActor:
             batch["response_mask"] = data.batch["response_mask"]
         else:  # verl fallback: every real response token counts
             batch["response_mask"] = batch["attention_mask"][:, -batch["responses"].shape[-1]:]
-        mini_size = int(cfg_get(c, "ppo_mini_batch_size", len(data)))
         use_dynamic = bool(cfg_get(c, "use_dynamic_bsz", False))
         policy_loss_fn = self._policy_loss_fn()
         metrics: dict[str, list | float] = defaultdict(list)
