@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+def _run(cmd: list[str], log: Path, env: dict | None = None, append: bool = False) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
+    with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -207,19 +207,23 @@ def main(argv: list[str] | None = None) -> dict:
             # first checkpoint starts over; otherwise main_ppo resumes from the latest checkpoint
             if rl_root.exists() and (stale or latest is None):
                 shutil.rmtree(rl_root)
+            resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
             algo = {"arpo": [], "grpo": ["actor_rollout_ref.rollout.initial_rollouts=null"],
                     "aepo": ["actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
                              "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
                              "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true"]}[a.algo]
-            _run([PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
-                  f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
-                  f"trainer.total_training_steps={rl_steps}", f"trainer.save_freq={max(1, rl_steps // 2)}",
-                  f"trainer.rollout_data_dir={rl_root / 'rollout'}",
-                  f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out / 'search_cache.sqlite'}",
-                  f"hydra.run.dir={rl_root / 'hydra'}", *algo,
-                  *(["data.max_prompt_length=384"] if a.tiny else [])],  # the tiny tokenizer needs more tokens
-                 logs / "rl.log", env)
-            ran("rl", time.perf_counter() - t0)
+            cmd = [PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
+                   f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
+                   f"trainer.total_training_steps={rl_steps}", f"trainer.save_freq={max(1, rl_steps // 2)}",
+                   f"trainer.rollout_data_dir={rl_root / 'rollout'}",
+                   f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out / 'search_cache.sqlite'}",
+                   f"hydra.run.dir={rl_root / 'hydra'}", *algo,
+                   *(["data.max_prompt_length=384"] if a.tiny else [])]  # the tiny tokenizer needs more tokens
+            before = times.get("rl", 0.0) if resumed else 0.0
+            try:
+                _run(cmd, logs / "rl.log", env, append=resumed)
+            finally:  # a crashed attempt's time counts too: the re-run resumes from its last checkpoint
+                ran("rl", time.perf_counter() - t0 + before)
         wall["rl"] = times.get("rl", 0.0)
         bar.advance(task)
 
