@@ -54,6 +54,9 @@ fi
 # 1. trainer vs TRL GRPOTrainer (tiny model)
 run trainer_vs_trl benchmarks/bench_trainer_vs_trl.py $(q --quick)
 
+# 1b. strictly on-policy updates: the skipped old-log-prob pass vs a separate one (tiny model)
+run on_policy_skip benchmarks/bench_on_policy_skip.py --reps $([[ $QUICK == 1 ]] && echo 2 || echo 4)
+
 # 2. ARPO vs GRPO vs AEPO. (a) The tiny tool model on its own prompt: over-fitted to call tools
 #    after that prompt only, it always has tool calls to compare (fast). (b) The bundled task with
 #    the quickstart's SFT model, when it exists (slow: a 135M model in fp32).
