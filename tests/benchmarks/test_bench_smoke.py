@@ -86,6 +86,7 @@ def test_run_all_script_parses():
 # ------------------------------------------------------------------------------------------ slow
 SMOKES = {
     "trainer_vs_trl": ["bench_trainer_vs_trl.py", "--smoke"],
+    "on_policy_skip": ["bench_on_policy_skip.py", "--reps", "1", "--steps", "2", "--response_length", "32"],
     "scaling": ["bench_scaling.py", "--smoke"],
     "cpu_efficiency": ["bench_cpu_efficiency.py", "--smoke"],
     "branching": ["bench_branching.py", "--data", ROOT / "rl_datasets" / "test.parquet", "--prompts", "2", "--n", "4",
