@@ -266,6 +266,19 @@ def count_params(model_dir: str) -> int:
 
 
 # ------------------------------------------------------------------------ our trainer in a child
+def grpo_spec(tmp: Path, model: str | None, prompts: int, n: int, response_length: int, steps: int,
+              micro: int = 4, lr: float = 1e-5) -> dict[str, Any]:
+    """The shared GRPO benchmark set-up: the first prompts×steps rows of the bundled task written to
+    parquet (+ rows.json for TRL) and the run spec `ours_overrides`/TRL read; model None = tiny."""
+    model = model or tiny_model(tmp)
+    rows = prompt_rows(prompts * steps)
+    data = write_parquet(rows, tmp / "train.parquet")
+    (tmp / "rows.json").write_text(json.dumps(rows))
+    return {"model": model, "data": str(data), "rows_json": str(tmp / "rows.json"), "prompts": prompts, "n": n,
+            "response_length": response_length, "max_prompt_length": max_prompt_tokens(model, rows),
+            "steps": steps, "micro": micro, "lr": lr}
+
+
 def ours_overrides(spec: dict) -> list[str]:
     """Hydra overrides of the cpu_tiny preset for one GRPO run described by `spec`."""
     P, n, W = spec["prompts"], spec["n"], spec.get("workers", 2)

@@ -13,7 +13,6 @@ The gradient is the same either way (tests/workers/test_dp_actor.py); only time 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import (RESULTS, machine_info, max_prompt_tokens, median, print_table, prompt_rows,  # noqa: E402
-                          rates, run_ours_many, summary_entry, tiny_model, tmpdir, write_json, write_parquet)
+from bench_common import (RESULTS, grpo_spec, machine_info, median, print_table, rates, run_ours_many, summary_entry, tmpdir,  # noqa: E402
+                          write_json)
 
 
 def main() -> None:
@@ -37,12 +36,7 @@ def main() -> None:
     a = p.parse_args()
     t0 = time.time()
     tmp = tmpdir("bench_skip_")
-    model = a.model or tiny_model(tmp)
-    rows = prompt_rows(a.prompts * a.steps)
-    data = write_parquet(rows, tmp / "train.parquet")
-    spec = {"model": model, "data": str(data), "prompts": a.prompts, "n": a.n, "response_length": a.response_length,
-            "max_prompt_length": max_prompt_tokens(model, rows), "steps": a.steps, "micro": 4, "lr": 1e-5,
-            "workers": 2}
+    spec = dict(grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps), workers=2)
     order = []
     for rep in range(a.reps):
         order += [True, False] if rep % 2 == 0 else [False, True]

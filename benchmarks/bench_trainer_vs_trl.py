@@ -46,9 +46,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import (PY, RESULTS, machine_info, max_prompt_tokens, median, print_table, prompt_rows,  # noqa: E402
-                          rates, run_child, run_ours, summary_entry, tail, tiny_model, tmpdir, write_json,
-                          write_parquet)
+from bench_common import (PY, RESULTS, grpo_spec, machine_info, median, print_table, rates, run_child, run_ours,  # noqa: E402
+                          summary_entry, tail, tmpdir, write_json)
 
 GOAL = 1.5
 
@@ -181,13 +180,8 @@ def main(argv=None):
 
     t_start, load0 = time.time(), os.getloadavg()
     tmp = tmpdir("bench_trl_")
-    model = a.model or tiny_model(tmp)
-    rows = prompt_rows(a.prompts * a.steps)
-    data = write_parquet(rows, tmp / "train.parquet")
-    (tmp / "rows.json").write_text(json.dumps(rows))
-    spec = {"model": model, "data": str(data), "rows_json": str(tmp / "rows.json"), "prompts": a.prompts, "n": a.n,
-            "response_length": a.response_length, "max_prompt_length": max_prompt_tokens(model, rows),
-            "steps": a.steps, "micro": a.micro, "lr": 1e-5}
+    spec = grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps, micro=a.micro)
+    model = spec["model"]
     ours_variants = [int(w) for w in str(a.workers).split(",")]
     ok, why = trl_status()
     variants = [int(x) for x in a.trl_threads.split(",")]   # TRL torch threads; 0 = torch's default

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import RESULTS, max_prompt_tokens, ours_overrides, prompt_rows, tiny_model, tmpdir, write_parquet  # noqa: E402
+from bench_common import (RESULTS, grpo_spec, ours_overrides, tmpdir)  # noqa: E402
 
 
 class LocalGroup:
@@ -136,13 +136,8 @@ def main(argv=None):
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     tmp = tmpdir("profile_step_")
-    model = a.model or tiny_model(tmp)
-    rows = prompt_rows(a.prompts * a.steps)
-    data = write_parquet(rows, tmp / "train.parquet")
-    (tmp / "rows.json").write_text(json.dumps(rows))
-    spec = {"model": model, "data": str(data), "rows_json": str(tmp / "rows.json"), "prompts": a.prompts, "n": a.n,
-            "response_length": a.response_length, "max_prompt_length": max_prompt_tokens(model, rows),
-            "steps": a.steps, "micro": 4, "out_dir": str(tmp / "run"), "lr": 1e-5}
+    spec = dict(grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps), out_dir=str(tmp / "run"))
+    model = spec["model"]
     t0 = time.time()
     text = (f"profile_step: model={a.model or 'tiny'} P={a.prompts} n={a.n} response={a.response_length} "
             f"load average {os.getloadavg()[0]:.1f}\n\n" + profile_ours(spec, a.top))

@@ -100,16 +100,21 @@ class SearchCache:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
 
-    def _set_aside(self, exc: Exception) -> None:
-        """[reliability, issue 9] A file that is not a valid database (a copy taken mid-write, a
-        truncated download) made the constructor raise, so the search tool was not built and the
-        whole run went on without search. It is a cache: move it aside and start an empty one."""
+    def _close_conns(self) -> None:
+        """Close every thread's connection (errors of an already broken one are ignored)."""
         with self._conns_lock:
             for conn in self._all_conns:
                 try:
                     conn.close()
                 except sqlite3.Error:
                     pass
+            self._all_conns.clear()
+
+    def _set_aside(self, exc: Exception) -> None:
+        """[reliability, issue 9] A file that is not a valid database (a copy taken mid-write, a
+        truncated download) made the constructor raise, so the search tool was not built and the
+        whole run went on without search. It is a cache: move it aside and start an empty one."""
+        self._close_conns()
         self._reset_process_state()
         aside = f"{self.path}.corrupt-{os.getpid()}-{int(time.time())}"
         for suffix in ("", "-wal", "-shm"):
@@ -265,13 +270,7 @@ class SearchCache:
             self._queue.put(_STOP)
             self._writer.join()
         self._closed = True
-        with self._conns_lock:
-            for conn in self._all_conns:
-                try:
-                    conn.close()
-                except sqlite3.Error:
-                    pass
-            self._all_conns.clear()
+        self._close_conns()
         self._local = threading.local()
 
     # ------------------------------------------------------------------ reference JSON format
