@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import (RESULTS, grpo_spec, machine_info, median, print_table, rates, run_ours_many, summary_entry, tmpdir,  # noqa: E402
-                          write_json)
+from bench_common import (RESULTS, grpo_spec, machine_info, median, print_table, rates, run_ours_many,  # noqa: E402
+                          summary_entry, tmpdir, write_json)
 
 
 def main() -> None:

@@ -46,8 +46,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import (PY, RESULTS, grpo_spec, machine_info, median, print_table, rates, run_child, run_ours,  # noqa: E402
-                          summary_entry, tail, tmpdir, write_json)
+from bench_common import (PY, RESULTS, grpo_spec, machine_info, median, print_table, rates, run_child,  # noqa: E402
+                          run_ours, summary_entry, tail, tmpdir, write_json)
 
 GOAL = 1.5
 
