@@ -80,33 +80,52 @@ def test_score_on_last_valid_token(tiny_tokenizer):
     assert info["reason"] == ["ok", "format:no_think", "ok", "ok"]
 
 
-def test_trailing_tool_result_counts_as_valid(tiny_tokenizer):
-    # the response ends inside a tool result (response_mask 0 there, attention 1)
+def test_trailing_tool_result_is_read_but_the_score_sits_on_the_last_sampled_token(tiny_tokenizer):
+    # the response ends inside a tool result (response_mask 0 there, attention 1): the scorer reads
+    # the result, the score goes on the last token the model sampled (the tool call's last token)
     rows = [[(TOOL_CALL, True), (TOOL_RESULT, False)]]
     data, lengths = make_batch(tiny_tokenizer, rows, ["hotpotqa"], ["Paris"], eos=False)
     assert data.batch["response_mask"][0, lengths[0] - 1] == 0
+    n_call = len(tiny_tokenizer.encode(TOOL_CALL, add_special_tokens=False))
+    assert data.batch["response_mask"][0, n_call - 1] == 1 and data.batch["response_mask"][0, n_call] == 0
     seen = []
 
     def spy(data_source, solution_str, ground_truth, extra_info=None):
         seen.append(solution_str)
         return 0.5
 
-    scores = NaiveRewardManager(tiny_tokenizer, compute_score=spy, num_workers=0)(data)
+    out = NaiveRewardManager(tiny_tokenizer, compute_score=spy, num_workers=0)(data, return_dict=True)
+    scores = out["reward_tensor"]
     assert seen == [TOOL_CALL + TOOL_RESULT]
-    assert scores[0, lengths[0] - 1].item() == 0.5
-    # with response_mask only (no attention_mask) the last sampled token is the end
+    assert scores[0, n_call - 1].item() == 0.5 and torch.count_nonzero(scores).item() == 1
+    assert out["reward_metrics"]["reward/rows_without_sampled_token"] == 0
+    # with response_mask only (no attention_mask) the decoded text ends at the last sampled token
     only_mask = DataProto.from_dict(
         tensors={"responses": data.batch["responses"], "response_mask": data.batch["response_mask"]},
         non_tensors={k: v for k, v in data.non_tensor_batch.items()})
-    n_call = len(tiny_tokenizer.encode(TOOL_CALL, add_special_tokens=False))
     scores = NaiveRewardManager(tiny_tokenizer, compute_score=spy, num_workers=0)(only_mask)
     assert seen[-1] == TOOL_CALL and scores[0, n_call - 1].item() == 0.5
 
 
-def test_empty_response_goes_to_position_zero(tiny_tokenizer):
-    data, _ = make_batch(tiny_tokenizer, [[]], ["hotpotqa"], ["Paris"])
-    scores = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data)
-    assert scores[0, 0].item() == -1.0 and torch.count_nonzero(scores).item() == 1
+def test_forced_eos_does_not_carry_the_score(tiny_tokenizer):
+    # call_limit reached: the loop appends an EOS with loss mask 0; the score stays on the last sampled token
+    rows = [[(GOOD, True)], [(TOOL_CALL, True), (TOOL_RESULT, False)]]
+    data, lengths = make_batch(tiny_tokenizer, rows, ["hotpotqa"] * 2, ["Paris"] * 2)
+    mask = data.batch["response_mask"]
+    mask[1, lengths[1] - 1] = 0  # the forced EOS
+    expected_pos = [lengths[0] - 1, len(tiny_tokenizer.encode(TOOL_CALL, add_special_tokens=False)) - 1]
+    scores = NaiveRewardManager(tiny_tokenizer, compute_score=lambda **kw: 0.75, num_workers=0)(data)
+    for i, pos in enumerate(expected_pos):
+        assert scores[i, pos].item() == 0.75 and torch.count_nonzero(scores[i]).item() == 1
+
+
+def test_row_without_sampled_token_gets_no_score_and_is_counted(tiny_tokenizer):
+    data, _ = make_batch(tiny_tokenizer, [[], [(GOOD, True)]], ["hotpotqa"] * 2, ["Paris"] * 2)
+    data.batch["response_mask"][0] = 0  # the empty row's EOS was not sampled either
+    out = NaiveRewardManager(tiny_tokenizer, num_workers=0)(data, return_dict=True)
+    assert torch.count_nonzero(out["reward_tensor"][0]).item() == 0
+    assert torch.count_nonzero(out["reward_tensor"][1]).item() == 1
+    assert out["reward_metrics"]["reward/rows_without_sampled_token"] == 1
 
 
 def test_mixed_sources_fill_missing_extra_keys_with_none(tiny_tokenizer):

@@ -254,3 +254,39 @@ def test_topk_proxy_entropy_matches_reference_definition():
     assert branching.aepo_branch_score(0.5, 1.0, 2, 0.2, 0.1) == pytest.approx(0.7 * 0.8)
     with pytest.raises(ValueError, match="entropy_mode"):
         branching.round_entropy(None, "mean", 10)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
+def test_outcome_reward_survives_masked_endings(tiny_tokenizer, estimator):
+    """[issue 15] Two trajectories whose last attended token has loss mask 0 — the forced EOS at
+    call_limit, and a tool result cut by the length budget — keep their whole score: with γ = λ = 1
+    and zero values, the return at the first response token equals the score."""
+    from verl_arpo.trainer.ppo.core_algos import (compute_gae_advantage_return,
+                                                  compute_reinforce_plus_plus_outcome_advantage)
+    from verl_arpo.utils.reward_manager import NaiveRewardManager
+
+    tok = tiny_tokenizer
+    n_call = len(tok.encode(CALL, add_special_tokens=False))
+    long_result = EchoTool("python", reply=lambda c: "word " * 200)
+    cases = {  # name: (loop, expected finish reason)
+        "call_limit": (_loop(tok, calls_then_answer(99), n=1, call_limit=1)[0], "call_limit"),
+        "budget_cut": (_loop(tok, calls_then_answer(99), executor=make_executor(3, python=long_result),
+                             n=1, response_length=n_call + 5)[0], "length"),
+    }
+    for name, (loop, reason) in cases.items():
+        out = loop.generate_sequences(_prompts(tok, ["q"]))
+        assert out.non_tensor_batch["finish_reason"][0] == reason, name
+        mask = out.batch["response_mask"]
+        attended = out.batch["attention_mask"][:, -mask.shape[1]:]
+        last_attended = int(attended[0].nonzero().max())
+        assert mask[0, last_attended] == 0, name  # the case under test: a masked ending
+        out.non_tensor_batch["data_source"] = as_object_array(["x"])
+        out.non_tensor_batch["reward_model"] = as_object_array([{"ground_truth": "1"}])
+        score = 0.8
+        rewards = NaiveRewardManager(tok, compute_score=lambda **kw: score, num_workers=0)(out)
+        if estimator == "gae":
+            _, returns = compute_gae_advantage_return(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+        else:
+            _, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=1.0)
+        assert mask[0, 0] == 1
+        assert returns[0, 0].item() == pytest.approx(score), name

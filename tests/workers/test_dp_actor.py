@@ -228,7 +228,7 @@ def test_on_policy_update_without_old_log_probs(model):
     assert metrics["actor/ppo_kl"][0] == 0.0 and metrics["actor/pg_clipfrac"][0] == 0.0  # ratio is exactly 1
     m = data.batch["response_mask"].bool()
     hs = torch.stack([rows[k][1] for k in sorted(rows) if m[k]])
-    assert metrics["actor/entropy"][0] == pytest.approx(hs.mean().item(), rel=1e-4)  # the metric survives
+    assert metrics["actor/update_entropy"][0] == pytest.approx(hs.mean().item(), rel=1e-4)  # the metric survives
     with pytest.raises(KeyError, match="on-policy"):  # two mini-batches: the second is off-policy
         actor_grad(model, data, ppo_mini_batch_size=len(data) // 2)
     with pytest.raises(KeyError, match="on-policy"):
@@ -241,7 +241,7 @@ def test_entropy_bonus_and_kl_loss(model):
     ref = reference_grad(model, data, **cfg)
     got, metrics = actor_grad(model, data, ppo_micro_batch_size_per_gpu=2, **cfg)
     assert_grads_close(got, ref)
-    assert {"actor/entropy", "actor/kl_loss"} <= metrics.keys() and metrics["actor/kl_coef"] == 0.1
+    assert {"actor/update_entropy", "actor/kl_loss"} <= metrics.keys() and metrics["actor/kl_coef"] == 0.1
 
 
 def test_aepo_entropy_advantage_is_computed_without_entropy_coeff(model):
@@ -254,7 +254,7 @@ def test_aepo_entropy_advantage_is_computed_without_entropy_coeff(model):
     cfg = dict(enable_entropy_balanced_advantage=True, entropy_advantage_alpha=0.5, entropy_coeff=0.0)
     vanilla, _ = actor_grad(model, data)
     aepo, metrics = actor_grad(model, data, **cfg)
-    assert "actor/entropy" in metrics
+    assert "actor/update_entropy" in metrics
     diff = max((aepo[k] - vanilla[k]).abs().max().item() for k in aepo)
     assert diff > 1e-4 * max(v.abs().max().item() for v in vanilla.values())
     assert_grads_close(aepo, reference_grad(model, data, **cfg))  # z-scores over the (single) micro-batch
@@ -383,3 +383,24 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
     ref_lp, _ = DataParallelPPOActor({}, load_model(tiny_model_dir)).compute_log_prob(
         DataProto(batch=data.batch[:4], meta_info={"temperature": 1.0, "micro_batch_size": 4}))
     torch.testing.assert_close(dp["seq-mean-fixed"]["lp"], ref_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_kl_loss_with_zero_weight_is_off(model):
+    """[issue 15] The seeds' scripts set use_kl_loss=True with kl_loss_coef=0: the update must not read
+    ref_log_prob (the trainer skipped the reference forward), give exactly the use_kl_loss=False
+    gradient, and log no KL metrics. The same rule is what normalize_config writes into the config."""
+    from verl_arpo.trainer.ppo.core_algos import kl_term_active
+
+    data = make_batch(model.config.vocab_size, seed=6)
+    data.batch.pop("ref_log_prob")
+    off, off_metrics = actor_grad(model, data, use_kl_loss=False)
+    zero, zero_metrics = actor_grad(model, data, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl")
+    for k in off:
+        assert torch.equal(off[k], zero[k]), k
+    assert not {"actor/kl_loss", "actor/kl_coef"} & zero_metrics.keys()
+    assert zero_metrics.keys() == off_metrics.keys()
+    # a KL loss with weight still needs the reference log-probs, and says so
+    with pytest.raises(KeyError, match="compute_ref_log_prob"):
+        actor_grad(model, data, use_kl_loss=True, kl_loss_coef=0.1)
+    assert [kl_term_active(*a) for a in [(True, 0.0), (True, "0"), (False, 0.1), (True, None), (True, 1e-3)]] == \
+        [False, False, False, False, True]

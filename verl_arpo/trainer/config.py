@@ -472,6 +472,10 @@ def normalize_config(cfg: DictConfig | Mapping) -> DictConfig:
 
     - actor (and critic) `ppo_mini_batch_size`: prompts → trajectories per worker (× n ÷ world)
     - deprecated global micro batch sizes → the `*_per_gpu` keys (÷ world)
+    - `actor.use_kl_loss` → false when `kl_loss_coef` is 0, `algorithm.use_kl_in_reward` → false when
+      `kl_ctrl.kl_coef` is 0: "a KL term is active" is decided here, once, and the trainer (reference
+      forward or not), the workers (reference model or not) and the actor (KL loss or not) read
+      these two flags (the seeds set use_kl_loss=true with a 0 weight)
     - `actor.max_grad_norm` (alias) → `actor.grad_clip`
     - `trainer.logger` → a list; `trainer.device` → cuda | cpu
     - `rollout.multi_turn.enable` empty (the seeds pass an unset shell variable) → true
@@ -492,6 +496,12 @@ def normalize_config(cfg: DictConfig | Mapping) -> DictConfig:
     if out.get("critic") is not None and out.critic.get("ppo_mini_batch_size") is not None:
         out.critic.ppo_mini_batch_size = int(out.critic.ppo_mini_batch_size) * n // world
         _per_worker(out.critic, "ppo_micro_batch_size", world)
+    from verl_arpo.trainer.ppo.core_algos import kl_term_active
+
+    arr.actor.use_kl_loss = kl_term_active(arr.actor.get("use_kl_loss"), arr.actor.get("kl_loss_coef"))
+    algo = out.get("algorithm")
+    if algo is not None:
+        algo.use_kl_in_reward = kl_term_active(algo.get("use_kl_in_reward"), (algo.get("kl_ctrl") or {}).get("kl_coef"))
     if arr.actor.get("max_grad_norm") is not None:
         arr.actor.grad_clip = float(arr.actor.max_grad_norm)
     out.trainer.logger = parse_logger(out.trainer.get("logger", ["console"]))

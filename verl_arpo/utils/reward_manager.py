@@ -9,7 +9,15 @@ arguments). For each row i of a DataProto holding `responses` (B, R) and `attent
     text_i       = decode(responses[i, :L_i], skip_special_tokens=True)
     s_i          = compute_score(data_source=ds_i, solution_str=text_i,
                                  ground_truth=reward_model_i["ground_truth"], extra_info=ex_i)
-    token_level_scores[i, L_i - 1] = s_i          (float32, shape of `responses`; index 0 if L_i = 0)
+    S_i          = last index where response_mask[i] == 1         (the last token the model sampled)
+    token_level_scores[i, S_i] = s_i              (float32, shape of `responses`)
+
+The score sits on the last *sampled* token, not the last attended one: a trajectory can end on
+tokens with loss mask 0 (the forced EOS at `call_limit`, a tool result cut by the length budget),
+and GAE and REINFORCE++ skip masked positions, so a score placed there would vanish from the
+returns (docs/algorithms.md, "Rewards"). A row with no sampled token gets no score at all and is
+counted in `reward/rows_without_sampled_token`. Without a `response_mask` (verl batches from
+other producers) every attended response token counts as sampled.
 
 `compute_score` may return a float or a dict with "score"; the other keys of dicts are gathered
 into `reward_extra_info[key]` (one entry per row, None where a row's dict lacks the key).
@@ -21,10 +29,10 @@ order, so the output is identical to serial scoring. Workers import no torch (th
 `reward_score.custom.score_items`). A scorer that cannot be pickled (a lambda) is scored serially,
 with one warning. The math scorer's signal-based timeouts work in the workers' main threads.
 
-Departures from verl: the valid length also covers a trailing tool result (verl counts
-`attention_mask` only, which agrees when tool results have attention 1); a zero-length response
-gets its score at position 0 instead of wrapping to the last (padding) position; a scorer
-exception propagates with a note naming the sample instead of killing the run silently.
+Departures from verl: the decoded text also covers a trailing tool result (verl counts
+`attention_mask` only, which agrees when tool results have attention 1); the score goes on the
+last sampled token (above); a scorer exception propagates with a note naming the sample instead
+of killing the run silently.
 """
 from __future__ import annotations
 
@@ -202,8 +210,21 @@ class NaiveRewardManager:
             valid |= batch["response_mask"].bool()
         if not ({"attention_mask", "response_mask"} & keys):
             raise KeyError("reward manager needs 'attention_mask' or 'response_mask' in DataProto.batch")
-        positions = torch.arange(1, width + 1, device=responses.device).expand_as(responses)
-        return (positions * valid).max(dim=-1).values
+        return _one_past_last(valid)
+
+    @staticmethod
+    def score_positions(data: Any) -> torch.Tensor:
+        """S_i: index of the last response token the model sampled (response_mask == 1), −1 if none.
+
+        Without `response_mask` the attended response tokens count as sampled (verl's batches)."""
+        batch = data.batch
+        if "response_mask" in batch.keys():
+            sampled = batch["response_mask"].bool()
+        elif "attention_mask" in batch.keys():
+            sampled = batch["attention_mask"][:, -batch["responses"].shape[-1]:].bool()
+        else:
+            raise KeyError("reward manager needs 'attention_mask' or 'response_mask' in DataProto.batch")
+        return _one_past_last(sampled) - 1
 
     def _ground_truth(self, data: Any, i: int) -> Any:
         nt = data.non_tensor_batch
@@ -235,16 +256,20 @@ class NaiveRewardManager:
         results = self.score_all(items)
 
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+        positions = self.score_positions(data).tolist()
         per_row: List[Dict[str, Any]] = []
         for i, result in enumerate(results):
             score, extras = _score_and_extras(result, i)
-            reward_tensor[i, max(lengths[i] - 1, 0)] = score
+            if positions[i] >= 0:  # else nothing the model sampled can carry it (counted below)
+                reward_tensor[i, positions[i]] = score
             per_row.append(extras)
         keys = [k for row in per_row for k in row]
         reward_extra_info: Dict[str, List[Any]] = {k: [row.get(k) for row in per_row] for k in dict.fromkeys(keys)}
         self._examine(data, items, results, lengths)
         if return_dict:
-            return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info}
+            unplaced = sum(p < 0 for p in positions)
+            return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info,
+                    "reward_metrics": {"reward/rows_without_sampled_token": float(unplaced)}}
         return reward_tensor
 
     def _examine(self, data: Any, items: List[Tuple], results: List[Any], lengths: List[int]) -> None:
@@ -263,6 +288,12 @@ class NaiveRewardManager:
             print("[response]", text)
             print("[ground_truth]", truth)
             print("[score]", result)
+
+
+def _one_past_last(flags: torch.Tensor) -> torch.Tensor:
+    """Per row of a [B, R] bool tensor: 1 + the last index holding True (0 for an all-False row)."""
+    positions = torch.arange(1, flags.shape[-1] + 1, device=flags.device).expand_as(flags)
+    return (positions * flags).max(dim=-1).values
 
 
 def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> Any:

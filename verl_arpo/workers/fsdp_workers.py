@@ -125,9 +125,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     # ------------------------------------------------------------------ init
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self, total_training_steps: int = 1, need_ref: bool | None = None, seed: int = 0):
-        """Load, shard and wire the roles. `need_ref` (from the trainer: a KL loss or in-reward KL
-        with weight) decides whether a reference model is built at all."""
+    def init_model(self, total_training_steps: int = 1, need_ref: bool = False, seed: int = 0):
+        """Load, shard and wire the roles. `need_ref` (the trainer's `use_reference_policy`: an
+        active KL loss or in-reward KL, as normalize_config decided) builds the reference model."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from verl_arpo.utils.checkpoint import FSDPCheckpointManager
@@ -183,7 +183,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                 self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
                 checkpoint_contents=tuple(acfg.get("checkpoint", {}).get("contents", ["model", "optimizer", "extra"])),
                 hf_config=self.hf_config)
-        self.need_ref = self._needs_ref() if need_ref is None else bool(need_ref)
+        self.need_ref = bool(need_ref)
         if self._is_ref and self.need_ref and not self.lora:
             self.ref_module = self._shard(load(train=False), self.config.ref.fsdp_config, train=False)
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
@@ -191,11 +191,6 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             self._build_rollout(path)
             if self._is_actor:
                 self._sync_rollout_weights()
-
-    def _needs_ref(self) -> bool:
-        acfg = self.config.actor
-        use_kl_loss = bool(acfg.get("use_kl_loss", False)) and float(acfg.get("kl_loss_coef", 0.0)) != 0.0
-        return use_kl_loss
 
     def _build_rollout(self, path: str):
         from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig

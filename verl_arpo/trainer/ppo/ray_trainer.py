@@ -1,6 +1,6 @@
 """The driver loop: `RayPPOTrainer.fit()` orchestrates the worker groups through one step at a time.
 
-    prompts ─▶ rollout (agent loop: tools, ARPO/AEPO branching) ─▶ rewards (score on the last valid
+    prompts ─▶ rollout (agent loop: tools, ARPO/AEPO branching) ─▶ rewards (score on the last sampled
     token) ─▶ old log-probs (+ entropy) ─▶ [ref log-probs, only if a KL term has weight] ─▶
     [values, if GAE] ─▶ advantages (registered estimator) ─▶ [critic update] ─▶ actor update ─▶
     weight sync to the engines ─▶ metrics, rollout dump, validation, checkpoint
@@ -80,10 +80,10 @@ class RayPPOTrainer:
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         algo, actor = config.algorithm, config.actor_rollout_ref.actor
         self.use_critic = algo.adv_estimator == "gae"
+        # normalize_config has switched off every KL term whose weight is 0: read the flags as they are
         self.use_kl_in_reward = bool(algo.get("use_kl_in_reward", False))
-        use_kl_loss = bool(actor.get("use_kl_loss", False)) and float(actor.get("kl_loss_coef", 0.0)) != 0.0
         # [fix] the reference paid for a reference forward even with every KL weight at 0
-        self.use_reference_policy = use_kl_loss or self.use_kl_in_reward
+        self.use_reference_policy = bool(actor.get("use_kl_loss", False)) or self.use_kl_in_reward
         self.kl_ctrl = core_algos.get_kl_controller(algo.kl_ctrl) if self.use_kl_in_reward else None
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.batch_size = int(config.data.train_batch_size)
@@ -166,9 +166,13 @@ class RayPPOTrainer:
         order = balance_batch_indices(seqlens, self.n_workers)
         batch.reorder(torch.as_tensor(np.asarray(order), dtype=torch.long))
 
-    def _score(self, batch: DataProto, reward_fn) -> dict:
+    def _score(self, batch: DataProto, reward_fn, metrics: dict | None = None) -> dict:
+        """token_level_scores into `batch`; the manager's own counters into `metrics`; returns the
+        per-row extra info."""
         result = reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
+        if metrics is not None:
+            metrics.update(result.get("reward_metrics", {}))
         return result.get("reward_extra_info", {})
 
     def _on_policy(self, n_rows: int) -> bool:
@@ -190,8 +194,11 @@ class RayPPOTrainer:
             if cfg.trainer.get("balance_batch", True):
                 self._balance_batch(batch, metrics)
             with timed("reward", timing):
-                extra = self._score(batch, self.reward_fn)
-            if not self._on_policy(len(batch)):  # else the update's own forward gives π_old (detached)
+                extra = self._score(batch, self.reward_fn, metrics)
+            # Two entropies: actor/entropy is H of the policy that generated the batch (π_old, as in
+            # verl), actor/update_entropy the mean H over the update's forwards (after earlier steps).
+            on_policy = self._on_policy(len(batch))
+            if not on_policy:  # else the update's own forward gives π_old (detached)
                 with timed("old_log_prob", timing):
                     lp = self.actor_rollout_wg.compute_log_prob(batch)
                     entropy = lp.batch.pop("entropys")
@@ -221,6 +228,9 @@ class RayPPOTrainer:
             if int(cfg.trainer.get("critic_warmup", 0)) < step:
                 with timed("update_actor", timing):
                     metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch).meta_info["metrics"]))
+                if on_policy and "actor/update_entropy" in metrics:
+                    # one mini-batch, one epoch: the update's only forward runs π_old itself
+                    metrics["actor/entropy"] = metrics["actor/update_entropy"]
                 with timed("weight_sync", timing):
                     self.actor_rollout_wg.sync_rollout_weights()
             for key, vals in (extra or {}).items():

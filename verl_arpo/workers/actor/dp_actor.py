@@ -3,7 +3,7 @@
 Data layout (from the rollout; P prompt slots left-padded, R response slots right-padded):
 `input_ids`, `attention_mask`, `position_ids` [B, P+R]; `responses`, `response_mask` [B, R]
 (loss mask m: 0 on tool results, forced tokens, padding); for the update also `old_log_probs`,
-`advantages` and, with use_kl_loss, `ref_log_prob` [B, R]. logits[:, −R−1:−1] score the responses.
+`advantages` and, with an active KL loss (use_kl_loss and kl_loss_coef ≠ 0), `ref_log_prob` [B, R]. logits[:, −R−1:−1] score the responses.
 Without `old_log_probs` the update must be strictly on-policy (ppo_epochs=1, one mini-batch): π_old
 is then the update's own forward, detached (ratio 1, same gradient), saving a whole forward pass.
 
@@ -47,7 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_arpo.trainer.ppo.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
+from verl_arpo.trainer.ppo.core_algos import (agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn,
+                                              kl_penalty, kl_term_active)
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,
@@ -235,6 +236,8 @@ class DataParallelPPOActor:
                 _warn_once("actor_pack", f"use_remove_padding disabled: {why}; using padded batches")
                 self.use_remove_padding = False
         self._shuffle_gen = torch.Generator().manual_seed(int(cfg_get(config, "shuffle_seed", 0)))
+        # the same rule normalize_config applies: a KL loss with weight 0 is off (no ref_log_prob read)
+        self.use_kl_loss = kl_term_active(cfg_get(config, "use_kl_loss", False), cfg_get(config, "kl_loss_coef", 0.0))
 
     # -- forward ------------------------------------------------------------------------------
     def _forward_micro_batch(self, micro, temperature: float, calculate_entropy: bool = False,
@@ -332,12 +335,12 @@ class DataParallelPPOActor:
         loss = pg_loss
         stats = dict(pg_loss=pg_loss.item(), pg_clipfrac=clipfrac.item(), ppo_kl=ppo_kl.item(),
                      pg_clipfrac_lower=clipfrac_lower.item())
-        if entropy is not None:
+        if entropy is not None:  # H of the policy being updated ("actor/entropy" is the rollout policy's)
             n = mask.sum().clamp(min=1)
-            stats["entropy"] = ((entropy.detach() * mask).sum() / n).item()
+            stats["update_entropy"] = ((entropy.detach() * mask).sum() / n).item()
         if entropy_coeff != 0:
             loss = loss - entropy_coeff * agg_loss(entropy, mask, mode, **agg)
-        if cfg_get(c, "use_kl_loss", False):
+        if self.use_kl_loss:
             kld = kl_penalty(log_prob, micro["ref_log_prob"], cfg_get(c, "kl_loss_type", "low_var_kl"))
             kl_loss = agg_loss(kld, mask, mode, **agg)
             loss = loss + float(cfg_get(c, "kl_loss_coef", 0.0)) * kl_loss
@@ -363,7 +366,10 @@ class DataParallelPPOActor:
             raise KeyError("update_policy needs 'old_log_probs' (compute_log_prob) unless the update is strictly "
                            f"on-policy: ppo_epochs=1 and one mini-batch (ppo_mini_batch_size {mini_size} >= "
                            f"{len(data)} rows)")
-        if cfg_get(c, "use_kl_loss", False):
+        if self.use_kl_loss:
+            if "ref_log_prob" not in data.batch.keys():
+                raise KeyError("use_kl_loss is on with kl_loss_coef != 0 but the batch has no 'ref_log_prob': "
+                               "run compute_ref_log_prob first")
             keys.append("ref_log_prob")
         batch = data.select(batch_keys=keys).batch
         if "response_mask" in data.batch.keys():
@@ -397,6 +403,6 @@ class DataParallelPPOActor:
                 for k, v in {**sums, **means.means()}.items():
                     metrics[f"actor/{k}"].append(v)
                 metrics["actor/grad_norm"].append(grad_norm)
-        if cfg_get(c, "use_kl_loss", False):
+        if self.use_kl_loss:  # inactive KL loss: actor/kl_loss and actor/kl_coef are not logged
             metrics["actor/kl_coef"] = float(cfg_get(c, "kl_loss_coef", 0.0))
         return dict(metrics)
