@@ -160,7 +160,7 @@ def test_branch_probability_follows_the_formula(tiny_tokenizer, rule):
 
     cfg = dict(n=2, initial_rollouts=1, beam_size=2, branch_probability=bp, entropy_weight=w, seed=7)
     if rule == "aepo":
-        cfg.update(enable_dynamic_rollouts=True, branch_penalty_gamma=0.0)
+        cfg.update(branch_rule="aepo", enable_dynamic_rollouts=True, branch_penalty_gamma=0.0)
     loop, _ = _loop(tok, script, **cfg)
     out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
     br = _branch_rounds(out, P, 2)[:, 1]  # the second trajectory of each prompt: a branch or a refill
@@ -189,7 +189,7 @@ def test_aepo_consecutive_branch_penalty(tiny_tokenizer):
 
     # γ = 1: a prompt that gained a trajectory last round cannot branch this round
     loop, _ = _loop(tok, script, n=4, initial_rollouts=1, beam_size=2, branch_probability=0.5,
-                    entropy_weight=0.0, enable_dynamic_rollouts=True, branch_penalty_gamma=1.0,
+                    entropy_weight=0.0, branch_rule="aepo", enable_dynamic_rollouts=True, branch_penalty_gamma=1.0,
                     dynamic_rollout_beta=50.0, seed=3)
     out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
     br = np.array(out.non_tensor_batch["branch_round"], dtype=int).reshape(P, 4)
@@ -290,3 +290,34 @@ def test_outcome_reward_survives_masked_endings(tiny_tokenizer, estimator):
             _, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=1.0)
         assert mask[0, 0] == 1
         assert returns[0, 0].item() == pytest.approx(score), name
+
+
+@pytest.mark.parametrize("branch_rule", ["arpo", "aepo"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_branch_rule_and_pre_monitoring_are_separate_switches(tiny_tokenizer, branch_rule, dynamic):
+    """[issue 15] rollout.branch_rule picks the decision, enable_dynamic_rollouts only adds the
+    pre-monitoring budget; all four combinations. With ΔH = 0 and γ = 0 the first-round branch
+    frequency is bp under arpo (U < bp) and 1 − bp under aepo (U ≥ bp)."""
+    tok = tiny_tokenizer
+    P, bp = 400, 0.15
+
+    def script(req, k):
+        if req.request_id.startswith("pm-root-"):
+            return Turn("abc", entropy=0.0, finish="length")
+        return Turn(CALL if k < 1 else ANSWER, entropy=1.0)  # H̄ = 1 > H_root = 0 → m_i = 1
+
+    loop, engine = _loop(tok, script, n=2, initial_rollouts=1, beam_size=2, branch_probability=bp,
+                         entropy_weight=0.0, branch_rule=branch_rule, enable_dynamic_rollouts=dynamic,
+                         branch_penalty_gamma=0.0, dynamic_rollout_beta=50.0, seed=1)
+    out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
+    pre_monitored = any(r.request_id.startswith("pm-") for call in engine.calls for r in call)
+    assert pre_monitored == dynamic
+    assert ("rollout/pre_monitor_tool_calls" in out.meta_info["metrics"]) == dynamic
+    freq = float(np.mean(_branch_rounds(out, P, 2)[:, 1] == 0))
+    p = bp if branch_rule == "arpo" else 1 - bp
+    assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / P), (freq, p)
+
+
+def test_unknown_branch_rule_names_the_choices():
+    with pytest.raises(ValueError, match="aepo"):
+        RolloutConfig(branch_rule="beam")

@@ -188,7 +188,12 @@ def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:
     p = _as_float(_select(c, f"{r}.branch_probability", 0.5))
     if p is None or not 0.0 <= p <= 1.0:
         add(f"{r}.branch_probability", "must be a number in [0, 1]")
-    from verl_arpo.workers.rollout.branching import ENTROPY_MODES
+    from verl_arpo.workers.rollout.branching import BRANCH_RULES, ENTROPY_MODES
+
+    rule = _select(c, f"{r}.branch_rule", "arpo")
+    if not _is_one_of(rule, BRANCH_RULES):
+        add(f"{r}.branch_rule", f"unknown {rule!r}; accepted: {sorted(BRANCH_RULES)} (aepo: AEPO's threshold rule "
+            "with the consecutive-branch penalty; arpo: ARPO's branch probability)")
 
     mode = _select(c, f"{r}.entropy_mode", "topk_proxy")
     if mode not in ENTROPY_MODES:

@@ -14,7 +14,7 @@ GAIA's `Final answer`, `final_answer`, `answers`, `golden_answers`, `ground_trut
 the benchmark folder name (`data/gaia/test.jsonl` → `gaia`), else the file stem. JSONL questions get
 the bundled task's system prompt (`--system_prompt` replaces it, `--system_prompt ''` drops it).
 
-Inference: `AgentLoop` (ALGORITHMS.md §3) on the HF engine (default) or vLLM (`--engine vllm`,
+Inference: `AgentLoop` (docs/algorithms.md, "ARPO: entropy-based adaptive rollout") on the HF engine (default) or vLLM (`--engine vllm`,
 imported only then), with the tools of `--tools` (`none` for plain generation). k = 1 is greedy
 (the loop's validation mode); k > 1 draws k independent samples per question at `--temperature`,
 seeded by `--seed` (no ARPO branching at evaluation).

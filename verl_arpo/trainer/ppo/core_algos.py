@@ -6,7 +6,7 @@ reference), plus two registries so a new algorithm is one registered function:
     @register_adv_est("my_est")          → get_adv_estimator_fn("my_est")
     @register_policy_loss("my_loss")     → get_policy_loss_fn("my_loss")
 
-Notation (ALGORITHMS.md): r = exp(logπθ − logπold) per token, A = advantage, m = response loss mask
+Notation (docs/algorithms.md): r = exp(logπθ − logπold) per token, A = advantage, m = response loss mask
 (1 = token sampled by the model; 0 = tool result, forced token, padding), ε_l/ε_h =
 clip_ratio_low/high, c = clip_ratio_c, sg = stop-gradient.
 

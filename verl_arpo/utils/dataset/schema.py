@@ -1,6 +1,6 @@
 """Row normalisation for RL parquet files (torch-free): two input schemas -> one verl layout.
 
-Input schemas (ALGORITHMS.md §7):
+Input schemas (docs/migrating.md):
 - verl / reference files: `data_source` str, `prompt` = list of `{role, content}` messages,
   `ability`, `reward_model` = `{ground_truth, style}`, `extra_info` dict;
 - the flat form the docs show: `prompt` str, `answer` str (or list), `data_source`, `tools` list.

@@ -1,6 +1,6 @@
 """Reward for tool-using QA / deep-search rollouts (GAIA, HLE, HotpotQA, ...): format gate + F1.
 
-Rule (the reference's behaviour, ALGORITHMS.md §6):
+Rule (the reference's behaviour, docs/algorithms.md, "Rewards"):
 
 1. Format gate; any failure scores **-1.0**:
    - `<think>` and `</think>` occur equally often, at least once each (counted, as the reference

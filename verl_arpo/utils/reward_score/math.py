@@ -23,7 +23,7 @@ A timeout counts as "not equivalent". Any exception inside math-verify is caught
 this function never raises on model output.
 
 Departure from the reference: the seed documents describe its math reward as an exact match of
-normalised strings (so `0.5` vs `\\frac{1}{2}` would score 0); ALGORITHMS.md §6 asks for
+normalised strings (so `0.5` vs `\\frac{1}{2}` would score 0); docs/algorithms.md ("Rewards") asks for
 symbolic equivalence, which is what we do.
 """
 from __future__ import annotations

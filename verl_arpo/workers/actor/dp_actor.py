@@ -16,7 +16,7 @@ and fixed, token-budget (use_dynamic_bsz) and data-parallel splits give the same
 (older verl scaled each micro-batch mean by its share of rows, exact only when every micro-batch
 has the same number of valid tokens per row).
 
-AEPO (ALGORITHMS.md §2). `enable_entropy_balanced_clipping` selects the registered
+AEPO (docs/algorithms.md, "AEPO 2" and "AEPO 3"). `enable_entropy_balanced_clipping` selects the registered
 "entropy_balanced" policy loss. `enable_entropy_balanced_advantage` computes the full-vocabulary
 entropy H (detached) in the same forward *whenever the flag is on* — the reference computed H only
 when entropy_coeff != 0 (0 in every shipped config), so the feature silently did nothing — and uses

@@ -1,9 +1,11 @@
-"""The multi-turn tool rollout with ARPO branching and AEPO dynamic budget (ALGORITHMS.md §3–5).
+"""The multi-turn tool rollout with ARPO branching and AEPO dynamic budget (docs/algorithms.md,
+"ARPO: entropy-based adaptive rollout" and "AEPO 1").
 
 One code path for GRPO, ARPO and AEPO; the branch rule is a switch (see branching.py). Read
 `AgentLoop.generate_sequences` top to bottom:
 
     1. budget     m0 = min(initial_rollouts, n) per prompt, or AEPO's m_i from pre-monitoring
+                  (`enable_dynamic_rollouts`)
     2. rounds     every active trajectory generates until EOS, a tool's stop string (`</python>`,
                   `</search>`) or its *own* remaining length budget; its round entropy H_k is
                   recorded (the first round sets its base H0_k)
@@ -11,11 +13,12 @@ One code path for GRPO, ARPO and AEPO; the branch rule is a switch (see branchin
                   of *this round's generated text*; ` <result>\\n…\\n</result>` is appended with
                   loss mask 0. Past `call_limit`, a forced EOS (mask 0) ends the trajectory.
     4. branch     for each prompt with free slots, each active trajectory draws up to beam_size−1
-                  times (ΔH = H_k − H0_k); a branch copies the state and diverges at the next token
+                  times with `branch_rule` (arpo or aepo; ΔH = H_k − H0_k); a branch copies the
+                  state and diverges at the next token
     5. refill     a prompt with no active trajectory but fewer than n gets one fresh trajectory
     6. output     exactly n trajectories per prompt, grouped by prompt, as a DataProto
 
-Fixes against the reference implementation (each marked [fix] in ALGORITHMS.md): per-trajectory
+Fixes against the reference implementation (listed under "Departures" in docs/algorithms.md): per-trajectory
 length budgets; tool content taken from the response only; tool text encoded without special
 tokens and unable to produce special-token ids; the forced EOS masked out; base entropies reset
 per call and keyed per trajectory; a seeded RNG (`rollout.seed`) for every draw; duplicates
@@ -52,12 +55,15 @@ class RolloutConfig:
     """m0: independent trajectories started per prompt; None or ≥ n means plain GRPO (no branching)."""
     beam_size: int = 2
     """a trajectory may spawn up to beam_size − 1 branches per round."""
+    branch_rule: str = "arpo"
+    """the branch decision, a name in branching.BRANCH_RULES: `arpo` (probability branch_probability
+    + w·ΔH) or `aepo` (threshold rule with the consecutive-branch penalty, the AEPO rollout's)."""
     branch_probability: float = 0.5
-    """ARPO: base branch probability; AEPO (dynamic): the threshold on the branch score."""
+    """arpo: base branch probability; aepo: the threshold on the branch score."""
     entropy_weight: float = 0.2
     """weight of ΔH = H_k − H0_k in the branch rule."""
     enable_dynamic_rollouts: bool = False
-    """AEPO: entropy pre-monitoring sets m_i per prompt, and branching pays the consecutive-branch penalty."""
+    """AEPO entropy pre-monitoring: m_i initial trajectories per prompt from H_root − H̄ (any branch rule)."""
     dynamic_rollout_beta: float = 0.5
     """AEPO β in m_i = floor(n·σ(β·(H_root − H̄))) + 1."""
     branch_penalty_gamma: float = 0.05
@@ -94,11 +100,15 @@ class RolloutConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    def __post_init__(self) -> None:
+        branching.get_branch_rule(self.branch_rule)  # an unknown name fails here, naming the choices
+
     @property
-    def branch_rule(self) -> str:
-        if self.enable_dynamic_rollouts:
-            return "aepo"
-        return "none" if branching.initial_rollout_count(self.n, self.initial_rollouts) >= self.n else "arpo"
+    def active_branch_rule(self) -> str:
+        """`branch_rule`, or `none` when no slot can ever be free (m0 = n without pre-monitoring: GRPO)."""
+        if not self.enable_dynamic_rollouts and branching.initial_rollout_count(self.n, self.initial_rollouts) >= self.n:
+            return "none"
+        return self.branch_rule
 
 
 @dataclass
@@ -159,7 +169,7 @@ class AgentLoop:
         t0 = time.time()
 
         # 1. budget: m0 per prompt, or AEPO's entropy pre-monitoring
-        if rule == "aepo":
+        if rule != "none" and cfg.enable_dynamic_rollouts:
             budgets = self._pre_monitor(prompt_ids, sampling, rng, n)
         else:
             budgets = [branching.initial_rollout_count(n, cfg.initial_rollouts if rule != "none" else n)] * len(prompt_ids)
@@ -204,7 +214,7 @@ class AgentLoop:
         else:
             greedy = meta.get("do_sample", True) is False
             sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
-            n, rule = int(meta.get("n", cfg.n)), cfg.branch_rule
+            n, rule = int(meta.get("n", cfg.n)), cfg.active_branch_rule
         sp.logprobs_topk = cfg.entropy_topk if cfg.entropy_mode == "topk_proxy" else 0
         sp.full_entropy = cfg.entropy_mode == "full"
         return n, rule, sp

@@ -1,4 +1,5 @@
-"""Entropy measures and branch rules of ARPO and AEPO (ALGORITHMS.md §4–5), in the order they act.
+"""Entropy measures and branch rules of ARPO and AEPO, in the order they act (docs/algorithms.md,
+"ARPO: entropy-based adaptive rollout" and "AEPO 1: dynamic entropy-balanced rollout").
 
 Symbols follow the papers (ARPO arXiv 2507.19849, AEPO arXiv 2510.14545):
     H_k      round entropy of trajectory k: entropy of the first ≤ `window` tokens it generated this
@@ -7,24 +8,23 @@ Symbols follow the papers (ARPO arXiv 2507.19849, AEPO arXiv 2510.14545):
              own first round, so its first ΔH is 0.
     ΔH_k     H_k − H0_k
     n        rollout.n, trajectories per prompt at the end
-    m0       initial trajectories per prompt: min(initial_rollouts, n), or m_i under AEPO's dynamic
-             budget. GRPO is the case initial_rollouts = n (never a free slot, never a branch).
+    m0       initial trajectories per prompt: min(initial_rollouts, n), or m_i under AEPO's
+             pre-monitoring. GRPO is the case initial_rollouts = n (never a free slot, never a branch).
 
-Branch rules (one draw each; `rng` is the rollout's seeded numpy Generator):
-    ARPO:  p = clip(branch_probability + entropy_weight·ΔH, 0, 1);   branch iff U < p
-    AEPO:  p = clip((U + entropy_weight·ΔH)·max(0, 1 − γ·c_i), 0, 1); branch iff p ≥ branch_probability
+Branch rules (`rollout.branch_rule`, one draw each; `rng` is the rollout's seeded numpy Generator):
+    arpo:  p = clip(branch_probability + entropy_weight·ΔH, 0, 1);   branch iff U < p
+    aepo:  p = clip((U + entropy_weight·ΔH)·max(0, 1 − γ·c_i), 0, 1); branch iff p ≥ branch_probability
            c_i = consecutive rounds in which prompt i gained a new trajectory (branch penalty).
            Here branch_probability is a *threshold* (≈ 1 − a probability); at ΔH = 0, c_i = 0 the
            two rules branch equally often only when branch_probability = 0.5.
-    none:  never (GRPO).
-AEPO dynamic budget (pre-monitoring):  m_i = clamp(floor(n·σ(β·(H_root − H̄))) + 1, 1, n).
+    none:  never (GRPO; chosen by the loop when no slot can be free).
+AEPO pre-monitoring (`rollout.enable_dynamic_rollouts`, independent of the rule):
+    m_i = clamp(floor(n·σ(β·(H_root − H̄))) + 1, 1, n), H_root measured like a round entropy
+    (same measure, same 20-token window) on a short generation, as in the reference.
 
 Fixes against the reference code: base entropies live on each trajectory and so reset on every
 generate call (the reference kept a dict across batches, comparing later steps with unrelated
 samples); every draw comes from a seeded generator, so a tree is reproducible from `rollout.seed`.
-Departure: H_root is measured with the same measure and window as round entropies, so that
-H_root − H̄ compares like with like (with `topk_proxy` a per-position *sum* over a 50-token window
-would be ~2.5× one over 20 tokens and bias every budget upwards).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ ENTROPY_MODES = ("topk_proxy", "full")
 # Entropy of one round
 # --------------------------------------------------------------------------------------------
 def topk_proxy_entropy(topk_logprobs: Sequence[Sequence[float]], vocab_size: int, window: int = 20) -> float:
-    """The reference's measure: Σ_{t<window} (−Σ_{j∈top-k} p_tj·log p_tj) / ln|V|.
+    """The reference's measure: Σ_{t<window} (−Σ_{j∈S_t} p_tj·log p_tj) / ln|V|.
 
-    Sums (does not average) over positions, so longer windows give larger values; kept for
-    comparability with published ARPO numbers.
+    S_t is the row the engine reports at position t: the top-k log-probs plus the sampled token's
+    when it is not among them (engines.base.topk_with_sampled), as the reference's vLLM log-prob
+    dicts were. Sums (does not average) over positions, so longer windows give larger values;
+    kept for comparability with published ARPO numbers.
     """
     total = 0.0
     for row in topk_logprobs[:window]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 FINISH_REASONS = ("eos", "stop", "length")
 ENGINE_NAMES = ("hf", "vllm")
@@ -91,9 +91,25 @@ class GenOutput:
     logprobs: list[float]
     """log-prob of each generated token under the sampled-from distribution (see module doc)."""
     topk_logprobs: list[list[float]]
-    """per position, the top-k log-prob values, descending (empty lists when k = 0)."""
+    """per position, the top-k log-prob values, descending, followed by the sampled token's when it
+    is not among the top k (`topk_with_sampled`); empty lists when k = 0."""
     entropy: list[float] | None
     """exact full-vocabulary entropy per position, or None if the engine cannot provide it."""
+
+
+def topk_with_sampled(top_ids: Sequence[int], top_values: Sequence[float], token: int, token_logprob: float,
+                      k: int) -> list[float]:
+    """One position's `topk_logprobs` row: the first k of (top_ids, top_values) (descending), then
+    `token_logprob` when `token` is not among those k ids.
+
+    This is the set the reference's top-k entropy proxy summed over (vLLM returns the sampled
+    token's log-prob next to the top k), so every engine reports it the same way and
+    branching.topk_proxy_entropy gives the same number for the same logits on any engine.
+    """
+    if k <= 0:
+        return []
+    ids, values = list(top_ids[:k]), [float(v) for v in top_values[:k]]
+    return values if token in ids else values + [float(token_logprob)]
 
 
 class InferenceEngine(ABC):

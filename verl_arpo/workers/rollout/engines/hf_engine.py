@@ -56,6 +56,7 @@ from verl_arpo.workers.rollout.engines.base import (
     GenRequest,
     InferenceEngine,
     SamplingParams,
+    topk_with_sampled,
     common_prefix_len,
 )
 
@@ -438,7 +439,9 @@ class HFEngine(InferenceEngine):
             tokens[sampled] = _draw(logp[sampled], [rows[i] for i in sampled])
         chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
         k = min(max(r.sp.logprobs_topk for r in rows), V)
-        topv = logp.topk(k, dim=-1).values.tolist() if k > 0 else [[] for _ in rows]
+        top = logp.topk(k, dim=-1) if k > 0 else None
+        topv = top.values.tolist() if k > 0 else [[] for _ in rows]
+        topi = top.indices.tolist() if k > 0 else [[] for _ in rows]
         if any(r.sp.full_entropy for r in rows):
             p = logp.exp()
             ent = (-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)).tolist()
@@ -447,7 +450,7 @@ class HFEngine(InferenceEngine):
             t = toks[i]
             r.tokens.append(t)
             r.logprobs.append(chosen[i])
-            r.topk.append(topv[i][:max(r.sp.logprobs_topk, 0)])
+            r.topk.append(topk_with_sampled(topi[i], topv[i], t, chosen[i], min(r.sp.logprobs_topk, V)))
             if r.sp.full_entropy:
                 r.entropy.append(ent[i])
             if t in self.eos_token_ids:

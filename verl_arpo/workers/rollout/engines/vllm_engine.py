@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest, InferenceEngine
+from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest, InferenceEngine, topk_with_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -185,11 +185,11 @@ class VLLMEngine(InferenceEngine):
         lps, topk, ent = [], [], []
         for t, d in zip(tokens, c.logprobs or []):
             lps.append(float(d[t].logprob))
-            # The dict holds the top-k plus the sampled token: sorted values give the top-k.
-            vals = sorted((float(x.logprob) for x in d.values()), reverse=True)
-            topk.append(vals[:k])
+            # The dict holds the top-k plus the sampled token (when outside them), keyed by id.
+            ranked = sorted(d.items(), key=lambda item: float(item[1].logprob), reverse=True)
+            topk.append(topk_with_sampled([i for i, _ in ranked], [x.logprob for _, x in ranked], t, d[t].logprob, k))
             if with_entropy:
-                ent.append(-sum(math.exp(v) * v for v in vals if v > -math.inf))
+                ent.append(-sum(math.exp(v) * v for v in (float(x.logprob) for x in d.values()) if v > -math.inf))
         if c.finish_reason == "length":
             reason, stop_str = "length", None
         elif c.finish_reason == "stop" and isinstance(c.stop_reason, str):
