@@ -3,6 +3,8 @@
 # Same overrides as the reference's AEPO deep-research scripts, run by verl_arpo (deep-research preset). Fill in the
 # <placeholders> (or export the variables) and run:  bash scripts/AEPO_Qwen25_7B_DeepResearch.sh
 # Extra arguments are passed on as Hydra overrides, e.g. `--cfg job` to print the config only.
+# Paths, sizes (TRAIN_BATCH_SIZE, ROLLOUT_N, MAX_RESPONSE_LENGTH, ...) and the engine can be exported
+# too; tests/scripts/test_launch_scripts.py runs this very script for 2 steps on a CPU that way.
 set -euo pipefail
 SCRIPT_DIR="$( cd "$( dirname "${BASH_SOURCE[0]}" )" &> /dev/null && pwd )"
 PARENT_DIR="$(dirname "$SCRIPT_DIR")"
@@ -31,10 +33,10 @@ N_GPUS_PER_NODE="${N_GPUS_PER_NODE:-8}"
 
 # ============================ Data Configuration ============================
 PROMPT_KEY="prompt"                 # prompt column
-TRAIN_BATCH_SIZE=64                 # prompts per step
-PPO_MINI_BATCH_SIZE=8               # prompts per optimizer step
-MAX_PROMPT_LENGTH=2000
-MAX_RESPONSE_LENGTH=6192
+TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-64}" # prompts per step
+PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-8}" # prompts per optimizer step
+MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2000}"
+MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-6192}"
 TRAIN_FILES="${TRAIN_FILES:-${PARENT_DIR}/rl_datasets/hard_search_1k.parquet}"
 VALID_FILES="${VALID_FILES:-[${PARENT_DIR}/rl_datasets/gaia_test.parquet,${PARENT_DIR}/rl_datasets/hle_test.parquet]}"
 
@@ -45,21 +47,22 @@ USE_REMOVE_PADDING="${USE_REMOVE_PADDING:-True}"           # packed sequences (n
 # ============================ Rollout Configuration ==========================
 ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"  # vllm | hf
 ROLLOUT_MODE="sync_with_tool"        # multi-turn tool loop
-ROLLOUT_N=12                         # trajectories per prompt
-INITIAL_ROLLOUTS=6                   # ARPO: independent trajectories; branches fill up to n
+ROLLOUT_N="${ROLLOUT_N:-12}"         # trajectories per prompt
+INITIAL_ROLLOUTS="${INITIAL_ROLLOUTS:-6}" # ARPO: independent trajectories; branches fill up to n
 BEAM_SIZE=2                          # branches per high-entropy round: beam_size - 1
 BRANCH_PROBABILITY=0.5
 Entropy_weight=0.2
 ENABLE_MULTI_TURN=True
 
 # ============================ AEPO Configuration ============================
-ENABLE_DYNAMIC_ROLLOUTS="${ENABLE_DYNAMIC_ROLLOUTS:-False}"                       # entropy pre-monitoring + branch penalty
+BRANCH_RULE="${BRANCH_RULE:-aepo}"                                               # AEPO branch rule: threshold + consecutive-branch penalty
+ENABLE_DYNAMIC_ROLLOUTS="${ENABLE_DYNAMIC_ROLLOUTS:-False}"                       # entropy pre-monitoring of the initial budget
 ENABLE_ENTROPY_BALANCED_CLIPPING="${ENABLE_ENTROPY_BALANCED_CLIPPING:-True}"      # stop-gradient upper clip
 ENABLE_ENTROPY_BALANCED_ADVANTAGE="${ENABLE_ENTROPY_BALANCED_ADVANTAGE:-True}"    # entropy-aware advantage
 
 # ============================ Rollout Tools Configuration ==========================
 SEARCH_CACHE_PATH="${SEARCH_CACHE_PATH:-${PARENT_DIR}/search_cache/search_cache.json}"
-# web search (BingSearchTool) comes from ppo_trainer_dr.yaml: export BRIGHTDATA_API_KEY and BRIGHTDATA_ZONE
+SEARCH_CLASS_PATH="${SEARCH_CLASS_PATH:-verl_arpo.workers.rollout.tools.search_tool.BingSearchTool}"  # needs BRIGHTDATA_API_KEY / BRIGHTDATA_ZONE
 
 # ============================ Reward Configuration ==========================
 REWARD_MANAGER="naive"
@@ -67,9 +70,9 @@ CUSTOM_REWARD_FUNCTION_PATH="${CUSTOM_REWARD_FUNCTION_PATH:-${PARENT_DIR}/verl_a
 CUSTOM_REWARD_FUNCTION_NAME="compute_score"
 
 # ============================ Training Configuration ============================
-TOTAL_EPOCHS=5
-SAVE_FREQ=5
-TEST_FREQ=5
+TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
+SAVE_FREQ="${SAVE_FREQ:-5}"
+TEST_FREQ="${TEST_FREQ:-5}"
 
 # ============================ Path Configuration ============================
 SAVE_PATH="${SAVE_PATH:-<your_checkpoint_save_dir>/rl/${EXPERIMENT_NAME}}"
@@ -115,6 +118,7 @@ set -o pipefail
     actor_rollout_ref.actor.kl_loss_type=low_var_kl \
     actor_rollout_ref.actor.fsdp_config.param_offload=False \
     actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+    actor_rollout_ref.rollout.branch_rule=${BRANCH_RULE} \
     actor_rollout_ref.rollout.enable_dynamic_rollouts=${ENABLE_DYNAMIC_ROLLOUTS} \
     actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$((4*(MAX_PROMPT_LENGTH+MAX_RESPONSE_LENGTH))) \
     actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
@@ -127,6 +131,7 @@ set -o pipefail
     actor_rollout_ref.rollout.branch_probability=${BRANCH_PROBABILITY} \
     actor_rollout_ref.rollout.entropy_weight=${Entropy_weight} \
     ++actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file="${SEARCH_CACHE_PATH}" \
+    actor_rollout_ref.rollout.tools.tool_instances.search.class_path=${SEARCH_CLASS_PATH} \
     actor_rollout_ref.rollout.multi_turn.enable=${ENABLE_MULTI_TURN} \
     actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=$((4*(MAX_PROMPT_LENGTH+MAX_RESPONSE_LENGTH))) \
     actor_rollout_ref.ref.fsdp_config.param_offload=True \

@@ -3,6 +3,8 @@
 # Same overrides as the reference's ARPO_7B_Reasoning_1node.sh, run by verl_arpo. Fill in the
 # <placeholders> (or export the variables) and run:  bash scripts/ARPO_7B_Reasoning_1node.sh
 # Extra arguments are passed on as Hydra overrides, e.g. `--cfg job` to print the config only.
+# Paths, sizes (TRAIN_BATCH_SIZE, ROLLOUT_N, MAX_RESPONSE_LENGTH, ...) and the engine can be exported
+# too; tests/scripts/test_launch_scripts.py runs this very script for 2 steps on a CPU that way.
 set -euo pipefail
 SCRIPT_DIR="$( cd "$( dirname "${BASH_SOURCE[0]}" )" &> /dev/null && pwd )"
 PARENT_DIR="$(dirname "$SCRIPT_DIR")"
@@ -31,10 +33,10 @@ N_GPUS_PER_NODE="${N_GPUS_PER_NODE:-8}"
 
 # ============================ Data Configuration ============================
 PROMPT_KEY="prompt"                 # prompt column
-TRAIN_BATCH_SIZE=128                # prompts per step
-PPO_MINI_BATCH_SIZE=16              # prompts per optimizer step
-MAX_PROMPT_LENGTH=1536
-MAX_RESPONSE_LENGTH=4096
+TRAIN_BATCH_SIZE="${TRAIN_BATCH_SIZE:-128}" # prompts per step
+PPO_MINI_BATCH_SIZE="${PPO_MINI_BATCH_SIZE:-16}" # prompts per optimizer step
+MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-1536}"
+MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-4096}"
 TRAIN_FILES="${TRAIN_FILES:-${PARENT_DIR}/rl_datasets/train.parquet}"
 VALID_FILES="${VALID_FILES:-${PARENT_DIR}/rl_datasets/valid.parquet}"
 
@@ -45,8 +47,8 @@ USE_REMOVE_PADDING="${USE_REMOVE_PADDING:-True}"           # packed sequences (n
 # ============================ Rollout Configuration ==========================
 ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"  # vllm | hf
 ROLLOUT_MODE="sync_with_tool"        # multi-turn tool loop
-ROLLOUT_N=16                         # trajectories per prompt
-INITIAL_ROLLOUTS=8                   # ARPO: independent trajectories; branches fill up to n
+ROLLOUT_N="${ROLLOUT_N:-16}"         # trajectories per prompt
+INITIAL_ROLLOUTS="${INITIAL_ROLLOUTS:-8}" # ARPO: independent trajectories; branches fill up to n
 BEAM_SIZE=2                          # branches per high-entropy round: beam_size - 1
 BRANCH_PROBABILITY=0.5
 Entropy_weight=0.2
@@ -62,9 +64,9 @@ CUSTOM_REWARD_FUNCTION_PATH="${CUSTOM_REWARD_FUNCTION_PATH:-${PARENT_DIR}/verl_a
 CUSTOM_REWARD_FUNCTION_NAME="compute_score"
 
 # ============================ Training Configuration ============================
-TOTAL_EPOCHS=2
-SAVE_FREQ=5
-TEST_FREQ=5
+TOTAL_EPOCHS="${TOTAL_EPOCHS:-2}"
+SAVE_FREQ="${SAVE_FREQ:-5}"
+TEST_FREQ="${TEST_FREQ:-5}"
 
 # ============================ Path Configuration ============================
 SAVE_PATH="${SAVE_PATH:-<your_checkpoint_save_dir>/${EXPERIMENT_NAME}}"

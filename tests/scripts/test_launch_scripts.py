@@ -1,0 +1,78 @@
+"""Every shipped launch script trains: 2 steps on CPU through the script's own override list.
+
+The test swaps only paths, device and sizes — by the environment variables the scripts read
+(ACTOR_MODEL_PATH / MODEL_DIR, SAVE_PATH / WORK_DIR, TRAIN_FILES, VALID_FILES, N_GPUS_PER_NODE,
+TRAIN_BATCH_SIZE, ROLLOUT_N, ..., ROLLOUT_NAME=hf, SEARCH_CLASS_PATH=the offline BM25 search) and a
+few appended device overrides (`trainer.device=cpu`, fp32 engine, 2 steps). It never re-types a
+script's override list, so a script whose overrides crash the trainer fails here: all five set
+`use_kl_loss=True, kl_loss_coef=0.0`, which once died at the first update (issue 15).
+
+Each run must reach a checkpoint (global_step_2). The step times are printed (`-s` shows them).
+About 25 s a script on 2 cores, so all five are in the default suite.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "rl_datasets"
+LOCAL_SEARCH = "verl_arpo.workers.rollout.tools.local_search_tool.LocalSearchTool"
+CPU_OVERRIDES = ["trainer.device=cpu", "trainer.total_training_steps=2", "ray_init.num_cpus=2",
+                 "actor_rollout_ref.rollout.dtype=float32"]
+CPU_SIZES = dict(N_GPUS_PER_NODE="2", TRAIN_BATCH_SIZE="2", PPO_MINI_BATCH_SIZE="1", MAX_PROMPT_LENGTH="256",
+                 MAX_RESPONSE_LENGTH="128", ROLLOUT_N="4", INITIAL_ROLLOUTS="2", TOTAL_EPOCHS="1",
+                 SAVE_FREQ="2", TEST_FREQ="-1")
+GPU_SCRIPTS = ["ARPO_7B_Reasoning_1node.sh", "ARPO_14B_DeepSearch_1node.sh", "AEPO_Qwen25_7B_DeepResearch.sh",
+               "AEPO_Qwen3_14B_DeepResearch.sh"]
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|.*\| step_s ([0-9.]+)", re.M)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "BRIGHTDATA_"))}
+    env.update(PYTHON=sys.executable, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def _run(script: str, env: dict, save_path: Path, extra_args=()) -> str:
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), *extra_args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-6000:]}"
+    assert "Traceback" not in proc.stdout, out[-6000:]
+    steps = STEP_LINE.findall(out)
+    assert [int(s) for s, _, _ in steps] == [1, 2], out[-4000:]
+    ckpt = save_path / "global_step_2"
+    assert (ckpt / "checkpoint_complete.json").is_file(), sorted(p.name for p in save_path.iterdir())
+    assert (ckpt / "actor" / "model" / ".metadata").is_file() and any((ckpt / "actor" / "model").glob("*.distcp"))
+    assert (save_path / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    print(f"\n{script}: step_s " + ", ".join(f"{float(t):.2f}" for _, _, t in steps))
+    return out
+
+
+def test_cpu_tiny_arpo_script_trains_and_checkpoints(tiny_model_dir, tmp_path):
+    """The CPU script as a user runs it; only the model (already built) and the output folder move."""
+    work = tmp_path / "work"
+    _run("cpu_tiny_arpo.sh", _env(MODEL_DIR=str(tiny_model_dir), WORK_DIR=str(work)), work)
+    assert any((work / "rollout").glob("*.jsonl"))  # the script's rollout dumps
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_gpu_script_trains_two_steps_on_cpu(script, tiny_model_dir, tmp_path):
+    save = tmp_path / "save"
+    env = _env(ACTOR_MODEL_PATH=str(tiny_model_dir), SAVE_PATH=str(save), TRAIN_FILES=str(DATA / "train.parquet"),
+               VALID_FILES=str(DATA / "valid.parquet"), ROLLOUT_NAME="hf", SEARCH_CLASS_PATH=LOCAL_SEARCH,
+               SEARCH_CACHE_PATH=str(tmp_path / "search_cache.sqlite"), **CPU_SIZES)
+    out = _run(script, env, save, CPU_OVERRIDES)
+    assert (save / "run.log").read_text().count("step 2/2") == 1  # the script's own tee
+    if script.startswith("AEPO"):  # the AEPO branch rule is what the AEPO scripts select
+        cfg = subprocess.run(["bash", str(ROOT / "scripts" / script), *CPU_OVERRIDES, "--cfg", "job"],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert cfg.returncode == 0, cfg.stderr[-3000:]
+        assert re.search(r"^\s+branch_rule: aepo$", cfg.stdout, re.M), cfg.stdout[-3000:]
+        assert re.search(r"^\s+enable_dynamic_rollouts: false$", cfg.stdout, re.M)
+    assert "KeyError" not in out
