@@ -35,7 +35,7 @@ SETTINGS = {
     "GRPO (baseline)": dict(initial_rollouts=None),
     "ARPO": dict(initial_rollouts=None, beam_size=2, branch_probability=0.5, entropy_weight=0.2, arpo=True),
     "AEPO (dynamic)": dict(initial_rollouts=None, beam_size=2, branch_probability=0.5, entropy_weight=0.2,
-                           enable_dynamic_rollouts=True, arpo=True),
+                           branch_rule="aepo", enable_dynamic_rollouts=True, arpo=True),
 }
 
 

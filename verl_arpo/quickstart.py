@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
                 shutil.rmtree(rl_root)
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
             algo = {"arpo": [], "grpo": ["actor_rollout_ref.rollout.initial_rollouts=null"],
-                    "aepo": ["actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
+                    "aepo": ["actor_rollout_ref.rollout.branch_rule=aepo",
+                             "actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
                              "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
                              "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true"]}[a.algo]
             cmd = [PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
