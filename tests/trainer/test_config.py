@@ -198,6 +198,7 @@ RULES = [  # (override, key named in the error)
     ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator"),
     ("actor_rollout_ref.actor.kl_loss_type=k9", "actor_rollout_ref.actor.kl_loss_type"),
     ("actor_rollout_ref.rollout.entropy_mode=renyi", "actor_rollout_ref.rollout.entropy_mode"),
+    ("actor_rollout_ref.rollout.branch_rule=beam", "actor_rollout_ref.rollout.branch_rule"),
     ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", "actor_rollout_ref.actor.policy_loss.loss_mode"),
     ("trainer.logger=[console,mlflow]", "trainer.logger"),
@@ -286,6 +287,25 @@ def test_normalize_fills_run_time_fields_on_a_copy(good):
     validate_config(out)  # a normalized config still validates
     with pytest.raises(Exception):
         out.trainer.no_such_key = 1  # struct mode kept
+
+
+@pytest.mark.parametrize("use_kl_loss,kl_loss_coef,in_reward,kl_coef,want_loss,want_reward", [
+    (True, 0.0, False, 0.001, False, False),   # the seeds' scripts: KL loss switched on with weight 0
+    (True, 0.01, False, 0.001, True, False),
+    (False, 0.01, True, 0.0, False, False),    # in-reward KL with β = 0 is off too
+    (False, 0.0, True, 0.002, False, True),
+])
+def test_normalize_decides_once_whether_a_kl_term_is_active(good, use_kl_loss, kl_loss_coef, in_reward, kl_coef,
+                                                            want_loss, want_reward):
+    """[issue 15] The trainer (reference forward), the workers (reference model) and the actor (KL
+    loss) all read these two normalized flags."""
+    cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([
+        f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}", f"actor_rollout_ref.actor.kl_loss_coef={kl_loss_coef}",
+        f"algorithm.use_kl_in_reward={in_reward}", f"algorithm.kl_ctrl.kl_coef={kl_coef}"]))
+    out = normalize_config(cfg)
+    assert out.actor_rollout_ref.actor.use_kl_loss is want_loss
+    assert out.algorithm.use_kl_in_reward is want_reward
+    assert normalize_config(out).actor_rollout_ref.actor.use_kl_loss is want_loss
 
 
 def test_parse_logger_and_resolve_device():
