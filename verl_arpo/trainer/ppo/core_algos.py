@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from verl_arpo.utils.job_config import kl_term_active  # noqa: F401 - re-exported: the rule the actor applies
 from verl_arpo.utils.torch_functional import (
     check_same_shape,
     clip_by_value,
@@ -421,18 +422,6 @@ def compute_value_loss(
 
 
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
-
-
-def kl_term_active(enabled: Any, coef: Any) -> bool:
-    """A KL term (the actor's KL loss, or the in-reward KL) counts only when it is switched on *and*
-    its weight is non-zero: `use_kl_loss=true, kl_loss_coef=0` (as in the seeds' scripts) is off,
-    so no reference forward runs and no `ref_log_prob` is needed (docs/algorithms.md, "The policy
-    loss shared by all of them"). The one definition the config normalisation and the actor use."""
-    try:
-        weight = float(coef)
-    except (TypeError, ValueError):
-        return False
-    return bool(enabled) and weight != 0.0 and weight == weight
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:

@@ -1,0 +1,522 @@
+"""The typed trainer configuration: one frozen dataclass per section of configs/ppo_trainer.yaml.
+
+The YAML stays the user-facing reference (Hydra composes it with the presets and the command line;
+`--cfg job` prints it; docs/configuration.md is generated from its comments). After validation and
+normalisation (verl_arpo.trainer.config) the composed tree is turned into a `JobConfig` once, by
+`JobConfig.from_mapping`, and that object is what the trainer reads and ships to the workers: no
+`.get(key, default)` in the code that uses it, so a default lives in exactly two places that a
+test keeps equal — the YAML and the dataclass field below.
+
+    JobConfig
+      data               DataConfig
+      actor_rollout_ref  ActorRolloutRefConfig: model, actor (optim, fsdp_config, ...), ref, rollout
+      critic             CriticConfig
+      reward_model, custom_reward_function, algorithm, ray_init, trainer
+
+Values that are *derived* from several keys are computed once, here, and named (`JobConfig.derived`):
+world size, whether a KL term is active, whether the reference model and the critic are needed,
+whether the update is strictly on-policy. Per-worker batch sizes are rewritten by the normalisation
+step before the tree reaches `from_mapping` (verl's semantics: actor.ppo_mini_batch_size is then
+trajectories per worker).
+
+A key the code does not read yet is listed in `NOT_IMPLEMENTED` with what to use instead; a
+non-default value there is a configuration error (`not_implemented_problems`), never silently
+ignored. Unknown keys fail with the key named (Hydra's struct mode does this first on the command
+line; `from_mapping` does it for any other mapping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Mapping
+
+__all__ = ["ConfigError", "JobConfig", "Derived", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
+           "RolloutSection", "CriticConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig", "FSDPConfig",
+           "from_mapping", "NOT_IMPLEMENTED", "not_implemented_problems", "kl_term_active"]
+
+
+class ConfigError(ValueError):
+    """A config with one or more bad values; `.problems` lists (key, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = list(problems)
+        lines = [f"  - {key}: {msg}" for key, msg in self.problems]
+        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n" + "\n".join(lines))
+
+
+def kl_term_active(enabled: Any, coef: Any) -> bool:
+    """A KL term (the actor's KL loss, or the in-reward KL) counts only when it is switched on *and*
+    its weight is non-zero: `use_kl_loss=true, kl_loss_coef=0` (as in the seeds' scripts) is off,
+    so no reference forward runs and no `ref_log_prob` is needed (docs/algorithms.md, "The policy
+    loss shared by all of them"). The one definition the config normalisation and the actor use."""
+    try:
+        weight = float(coef)
+    except (TypeError, ValueError):
+        return False
+    return bool(enabled) and weight != 0.0 and weight == weight
+
+
+# ------------------------------------------------------------------------------------------------
+# sections (field defaults = configs/ppo_trainer.yaml; tests/trainer/test_job_config.py keeps them equal)
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataConfig:
+    tokenizer: str | None = None
+    train_files: Any = "rl_datasets/train.parquet"
+    val_files: Any = "rl_datasets/valid.parquet"
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 1536
+    max_response_length: int = 4096
+    train_batch_size: int = 128
+    val_batch_size: int | None = None
+    return_raw_input_ids: bool = False
+    return_raw_chat: bool = True
+    shuffle: bool = True
+    seed: int = 1
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"
+    dataloader_num_workers: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # ??? in the YAML: required
+    external_lib: str | None = None
+    override_config: dict = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    warmup_style: str = "constant"
+    total_training_steps: int = -1
+    weight_decay: float = 0.01
+    betas: tuple = (0.9, 0.999)
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    mixed_precision: dict | None = None
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    contents: tuple = ("model", "optimizer", "extra")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    strategy: str = "fsdp"
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int = 2
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    grad_clip: float | None = 1.0
+    max_grad_norm: float | None = None
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ppo_epochs: int = 1
+    skip_old_log_prob_on_policy: bool = True
+    shuffle: bool = False
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    enable_entropy_balanced_clipping: bool = False
+    enable_entropy_balanced_advantage: bool = False
+    entropy_advantage_alpha: float = 0.2
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass(frozen=True)
+class RefFSDPConfig:
+    param_offload: bool = False
+    reshard_after_forward: bool = True
+    mixed_precision: dict | None = None
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    enable: bool = True
+
+
+@dataclass(frozen=True)
+class ValKwargs:
+    top_k: int = -1
+    top_p: float = 1.0
+    temperature: float = 0.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    """The tool registry's section; `tool_instances` maps a tool name to {class_path, params} (free-form
+    params: each tool class checks its own, see docs/tools.md)."""
+
+    call_limit: int = 3
+    max_workers: int = 64
+    timeout: float = 120
+    retry_count: int = 3
+    verbose_logging: bool = False
+    fail_on_error: bool = False
+    tool_instances: dict = field(default_factory=lambda: {
+        "python": {"class_path": "verl_arpo.workers.rollout.tools.python_tool.PythonTool",
+                   "params": {"timeout": 20, "sandbox": "auto", "conda_path": None, "conda_env": None}},
+        "search": {"class_path": "verl_arpo.workers.rollout.tools.local_search_tool.LocalSearchTool",
+                   "params": {"cache_file": "search_cache/local_search_cache.sqlite", "max_results": 3,
+                              "result_length": 500, "api_key": None, "zone": None, "location": "us"}}})
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """`actor_rollout_ref.rollout` as written (the agent loop's own view is agent_loop.RolloutConfig)."""
+
+    name: str = "hf"
+    mode: str = "sync_with_tool"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    prompt_length: int = 1536
+    response_length: int = 4096
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    ignore_eos: bool = False
+    enforce_eager: bool = True
+    free_cache_engine: bool = True
+    load_format: str = "auto"
+    tensor_model_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    max_num_seqs: int = 1024
+    enable_prefix_caching: bool = True
+    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    do_sample: bool = True
+    n: int = 1
+    initial_rollouts: int | None = None
+    beam_size: int = 2
+    branch_rule: str = "arpo"
+    branch_probability: float = 0.5
+    entropy_weight: float = 0.2
+    entropy_mode: str = "topk_proxy"
+    entropy_window: int = 20
+    entropy_topk: int = 10
+    enable_dynamic_rollouts: bool = False
+    dynamic_rollout_beta: float = 0.5
+    branch_penalty_gamma: float = 0.05
+    initial_entropy_tokens: int = 50
+    max_rounds: int | None = None
+    seed: int = 0
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+
+
+@dataclass(frozen=True)
+class CriticFSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    mixed_precision: dict | None = None
+
+
+@dataclass(frozen=True)
+class CriticModelConfig:
+    path: str | None = None  # ${actor_rollout_ref.model.path}
+    tokenizer_path: str | None = None  # ${actor_rollout_ref.model.path}
+    override_config: dict = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    fsdp_config: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    strategy: str = "fsdp"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int = 2
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    grad_clip: float | None = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool = False
+    reward_manager: str = "naive"
+    launch_reward_fn_async: bool = False
+    num_workers: int | None = None
+    parallel_threshold: int = 256
+
+
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass(frozen=True)
+class RayInitConfig:
+    address: str | None = None
+    num_cpus: int | None = None
+    runtime_env: dict = field(default_factory=lambda: {"env_vars": {}})
+    include_dashboard: bool = False
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    balance_batch: bool = True
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    project_name: str = "verl_arpo"
+    experiment_name: str = "default"
+    logger: tuple = ("console",)
+    log_val_generations: int = 0
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    device: str = "auto"
+    save_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
+    test_freq: int = -1
+    val_before_train: bool = True
+    critic_warmup: int = 0
+    default_hdfs_dir: str | None = None
+    default_local_dir: str = "checkpoints/verl_arpo/default"
+    max_actor_ckpt_to_keep: int | None = None
+    max_critic_ckpt_to_keep: int | None = None
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    seed: int = 0
+    config_normalized: bool = False
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Facts that depend on several keys, computed once by `JobConfig.from_mapping`."""
+
+    world_size: int
+    """trainer.nnodes × trainer.n_gpus_per_node: data-parallel workers."""
+    kl_loss_active: bool
+    """actor.use_kl_loss and kl_loss_coef ≠ 0 (core_algos.kl_term_active)."""
+    kl_in_reward_active: bool
+    """algorithm.use_kl_in_reward and kl_ctrl.kl_coef ≠ 0."""
+    need_ref: bool
+    """a reference model is built and run: an active KL loss or in-reward KL."""
+    need_critic: bool
+    """algorithm.adv_estimator == gae."""
+    on_policy: bool
+    """one epoch over one mini-batch and nothing else reading π_old: the update's own forward gives
+    π_old (detached) and the separate old-log-prob pass is skipped."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @functools.cached_property
+    def derived(self) -> Derived:
+        a, algo, t = self.actor_rollout_ref.actor, self.algorithm, self.trainer
+        world = int(t.nnodes) * int(t.n_gpus_per_node)
+        kl_loss = kl_term_active(a.use_kl_loss, a.kl_loss_coef)
+        kl_reward = kl_term_active(algo.use_kl_in_reward, algo.kl_ctrl.kl_coef)
+        trajectories = int(self.data.train_batch_size) * int(self.actor_rollout_ref.rollout.n)
+        # a normalized config holds the mini-batch per worker; a raw one in prompts
+        mini = a.ppo_mini_batch_size * world if t.config_normalized else a.ppo_mini_batch_size * self.actor_rollout_ref.rollout.n
+        on_policy = (a.skip_old_log_prob_on_policy and a.ppo_epochs == 1 and mini >= trajectories and not kl_reward)
+        return Derived(world_size=world, kl_loss_active=kl_loss, kl_in_reward_active=kl_reward,
+                       need_ref=kl_loss or kl_reward, need_critic=algo.adv_estimator == "gae", on_policy=on_policy)
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> "JobConfig":
+        """Build from a composed (resolved) OmegaConf tree or a plain mapping; unknown keys are errors."""
+        return from_mapping(cls, _plain(data), "")
+
+
+# ------------------------------------------------------------------------------------------------
+# building
+# ------------------------------------------------------------------------------------------------
+def _plain(data: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a hard dependency
+        return data
+    if isinstance(data, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(data, resolve=True)
+    return data
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Lists become tuples where the field is a tuple; numbers given as int/str become floats where
+    the field is a float (YAML reads `1e-6` as a string)."""
+    origin_args = typing.get_args(typ)
+    base = {a for a in origin_args if a is not type(None)} if origin_args else {typ}
+    if value is None:
+        return None
+    if tuple in base and isinstance(value, list):
+        return tuple(value)
+    if float in base and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError([(key, f"must be a number, got {value!r}")]) from None
+    return value
+
+
+def from_mapping(cls: type, data: Mapping | Any, where: str) -> Any:
+    """An instance of dataclass `cls` from `data` (a mapping, or already an instance): nested sections
+    recursively, missing keys take the field default, an unknown key raises ConfigError naming it."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError([(where or "<root>", f"must be a section (a mapping), got {type(data).__name__}")])
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        raise ConfigError([(f"{where}.{k}".lstrip("."), f"unknown key; {cls.__name__} accepts {sorted(known)}")
+                           for k in unknown])
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{where}.{name}".lstrip(".")
+        typ = hints[name]
+        kwargs[name] = from_mapping(typ, value, key) if is_dataclass(typ) else _coerce(value, typ, key)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict:
+    """A plain nested dict of a config dataclass (tuples stay tuples)."""
+    return dataclasses.asdict(obj)
+
+
+# ------------------------------------------------------------------------------------------------
+# keys accepted for verl compatibility that no code reads yet
+# ------------------------------------------------------------------------------------------------
+NOT_IMPLEMENTED: dict[str, str] = {
+    "data.return_raw_input_ids": "the raw prompt ids are not kept; the rollout reads the chat messages",
+    "data.dataloader_num_workers": "batches are collated in the driver (no torch DataLoader workers)",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size": "FSDP2 shards over all ranks (1-D mesh); HSDP is not implemented",
+    "critic.model.fsdp_config.fsdp_size": "FSDP2 shards over all ranks (1-D mesh); HSDP is not implemented",
+    "actor_rollout_ref.rollout.ignore_eos": "generation always stops at EOS",
+    "actor_rollout_ref.rollout.enforce_eager": "the vLLM engine picks eager mode itself (CPU: eager, GPU: vLLM's default)",
+    "actor_rollout_ref.rollout.free_cache_engine": "the engine is put to sleep between rollouts whatever this says",
+    "actor_rollout_ref.rollout.load_format": "vLLM loads the HF folder; weights are then synced from the actor",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "vLLM's own scheduler default applies",
+    "actor_rollout_ref.rollout.max_num_seqs": "vLLM's own scheduler default applies",
+    "actor_rollout_ref.rollout.do_sample": "training rollouts always sample; greedy is for validation (val_kwargs.do_sample)",
+    "reward_model.launch_reward_fn_async": "rewards are scored in the driver, in parallel processes (reward_model.num_workers)",
+    "trainer.log_val_generations": "validation generations are not printed; use trainer.rollout_data_dir for dumps",
+    "trainer.validation_data_dir": "validation generations are not written; use trainer.rollout_data_dir for dumps",
+    "trainer.max_critic_ckpt_to_keep": "checkpoints are kept or dropped per step folder: use trainer.max_actor_ckpt_to_keep",
+    "trainer.default_hdfs_dir": "no HDFS copy is made; checkpoints go to trainer.default_local_dir",
+}
+"""key → why it has no effect yet and what to use instead. A non-default value is rejected."""
+
+
+def _lookup(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def not_implemented_problems(cfg: JobConfig) -> list[tuple[str, str]]:
+    """(key, message) for every NOT_IMPLEMENTED key set to something other than its default."""
+    default = JobConfig()
+    problems = []
+    for key, why in NOT_IMPLEMENTED.items():
+        value, want = _lookup(cfg, key), _lookup(default, key)
+        if value != want:
+            problems.append((key, f"is not implemented ({why}): remove the override, or set it back to {want!r}"))
+    return problems
