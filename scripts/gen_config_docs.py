@@ -222,6 +222,7 @@ def render() -> str:
     for title in [*sections, *preset_titles]:
         out.append(f"- [{title}](#{_anchor(title)})")
     out.append(f"- [Tool registry presets](#{_anchor('Tool registry presets')})")
+    out.append(f"- [Accepted, not implemented yet](#{_anchor('Accepted, not implemented yet')})")
     out.append("")
 
     out += [f"## Defaults: {BASE}", ""]
@@ -259,6 +260,15 @@ def render() -> str:
         first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]  # the first sentence
         rows.append((_code(path.stem), _cell(first)))
     out += _table(rows, ("Name", "What it holds")) + [""]
+
+    from verl_arpo.utils.job_config import NOT_IMPLEMENTED
+
+    out += ["## Accepted, not implemented yet", "",
+            "verl keys that launch scripts carry but no code here reads yet. Their default is accepted;",
+            "any other value is a configuration error that names the key and what to use instead",
+            "(`verl_arpo.utils.job_config.NOT_IMPLEMENTED`):", ""]
+    out += _table([(_code(k), _code(base_values.get(k, "")), _cell(why)) for k, why in NOT_IMPLEMENTED.items()],
+                  ("Key", "Accepted value", "Why, and what to use instead")) + [""]
     return "\n".join(out).rstrip() + "\n"
 
 

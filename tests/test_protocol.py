@@ -428,19 +428,3 @@ def test_pickled_chunk_does_not_carry_parent_storage():
     one = big.chunk(1000)[3]
     assert len(pickle.dumps(one)) < 1000 * 256 * 4 // 10
     assert pickle.loads(pickle.dumps(one)).batch["a"].shape == (1, 256)
-
-
-def test_save_and_load_from_disk(tmp_path):
-    data = make(3)
-    path = tmp_path / "batch.pkl"
-    data.save_to_disk(str(path))
-    back = DataProto.load_from_disk(str(path))
-    _assert_same(data, back)
-
-
-def test_print_size(capsys):
-    data = DataProto.from_dict(tensors={"a": torch.zeros(4, 8, dtype=torch.float32)})  # 128 bytes
-    text = data.print_size(prefix="p: ")
-    assert text.startswith("p: Size of tensordict: ")
-    assert f"{128 / 1024**3}" in text
-    assert text in capsys.readouterr().out

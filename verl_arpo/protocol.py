@@ -31,20 +31,19 @@ ports by changing the import. Where we differ, on purpose:
 - Row operations give each result its own shallow copy of ``meta_info`` instead of sharing the
   parent's dict object; ``select(..., deepcopy=True)`` also clones the tensors.
 - ``rename`` renames non-tensor keys too (verl renames batch keys only).
-- Pickling (and so Ray transfer, ``save_to_disk``) is tensordict's native pickling, except that
+- Pickling (and so Ray transfer) is tensordict's native pickling, except that
   tensors that are views into a larger storage (after a slice or a chunk) are copied first, so a
   chunk does not ship its parent's whole storage.
 - ``collate_fn`` keeps the ``meta_info`` of the first item (verl drops it).
 
-Not provided: verl's auto-padding switch, ``make_iterator`` (use ``split``), the async
+Not provided: verl's ``print_size`` / ``save_to_disk`` / ``load_from_disk`` (pickle a DataProto
+directly when debugging), the auto-padding switch, ``make_iterator`` (use ``split``), the async
 ``DataProtoFuture`` and the all-gather helpers; ``single_controller`` does its own dispatch.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+from verl_arpo.protocol_rows import (_index_tensor, _merge_metrics, _to_non_tensor, _union_meta, as_object_array,
+                                     union_numpy_dict, union_tensor_dict)
 
 __all__ = [
     "DataProto",
@@ -63,175 +65,6 @@ __all__ = [
     "union_numpy_dict",
     "union_tensor_dict",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def as_object_array(values: Any) -> np.ndarray:
-    """A 1-D ``dtype=object`` array with one element per row of ``values``.
-
-    ``values`` is a list/tuple/iterable of per-row objects or an array whose first axis is the
-    row. Elements are assigned one by one, so ``[[1, 2], [3, 4]]`` gives an array of length 2
-    holding two lists (``np.array(..., dtype=object)`` would give a 2x2 array).
-    """
-    if isinstance(values, np.ndarray):
-        if values.ndim == 0:
-            raise ValueError("as_object_array needs at least one dimension, got a 0-d array")
-        if values.ndim == 1:
-            return values if values.dtype == object else values.astype(object)
-        rows = list(values)  # one sub-array per row
-    elif isinstance(values, torch.Tensor):
-        raise TypeError("tensors belong in DataProto.batch, not in non_tensor_batch")
-    else:
-        rows = list(values)
-    out = np.empty(len(rows), dtype=object)
-    for i, row in enumerate(rows):
-        out[i] = row
-    return out
-
-
-def _to_non_tensor(key: str, value: Any) -> np.ndarray:
-    """Normalise one non-tensor column for ``from_dict`` (see module docstring)."""
-    if isinstance(value, np.ndarray) and value.ndim > 1 and value.dtype != object:
-        return value
-    if isinstance(value, (str, bytes, dict)) or np.isscalar(value):
-        raise ValueError(f"non_tensor_batch[{key!r}] must be a sequence with one entry per row, got {value!r}")
-    return as_object_array(value)
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Deep equality for union checks: tensors, arrays (object or numeric), dicts, lists, NaN."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        b = b.to(a.device)
-        if a.is_floating_point() or a.is_complex():
-            nan = torch.isnan(a)
-            return bool(torch.equal(nan, torch.isnan(b))) and bool(torch.equal(a[~nan], b[~nan]))
-        return bool(torch.equal(a, b))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        if a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
-        try:
-            return bool(np.array_equal(a, b, equal_nan=True))
-        except TypeError:  # equal_nan on non-numeric dtypes (strings)
-            return bool(np.array_equal(a, b))
-    if isinstance(a, dict) or isinstance(b, dict):
-        if not (isinstance(a, dict) and isinstance(b, dict)) or a.keys() != b.keys():
-            return False
-        return all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return False
-        return all(_values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # objects whose == returns something without a truth value
-        return a is b
-
-
-def union_tensor_dict(tensor_dict1: TensorDict | None, tensor_dict2: TensorDict | None) -> TensorDict | None:
-    """Add the keys of ``tensor_dict2`` to ``tensor_dict1`` (in place) and return it.
-
-    Both must have the same batch size. A key present in both must hold equal tensors, else
-    ``ValueError`` naming the key. ``None`` stands for "no batch".
-    """
-    if tensor_dict1 is None:
-        return tensor_dict2
-    if tensor_dict2 is None:
-        return tensor_dict1
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(
-            f"union: batch sizes differ: {tuple(tensor_dict1.batch_size)} vs {tuple(tensor_dict2.batch_size)}"
-        )
-    for key in tensor_dict2.keys():
-        if key in tensor_dict1.keys():
-            if not _values_equal(tensor_dict1[key], tensor_dict2[key]):
-                raise ValueError(f"union: batch key {key!r} exists in both with different values")
-        else:
-            tensor_dict1[key] = tensor_dict2[key]
-    return tensor_dict1
-
-
-def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Add the arrays of ``dict2`` to ``dict1`` (in place) and return it; a key in both must hold
-    equal arrays (deep comparison of object elements), else ``ValueError`` naming the key."""
-    for key, val in dict2.items():
-        if key in dict1:
-            if not _values_equal(dict1[key], val):
-                raise ValueError(f"union: non_tensor_batch key {key!r} exists in both with different values")
-        else:
-            dict1[key] = val
-    return dict1
-
-
-def _union_meta(dict1: dict, dict2: dict) -> dict:
-    for key, val in dict2.items():
-        if key in dict1:
-            if not _values_equal(dict1[key], val):
-                raise ValueError(f"union: meta_info key {key!r} exists in both with different values")
-        else:
-            dict1[key] = val
-    return dict1
-
-
-def _merge_metrics(parts: list[Any]) -> dict[str, list]:
-    """Merge per-part metrics (dicts, or lists of dicts) into one dict of flat lists."""
-    merged: dict[str, list] = {}
-
-    def add(metrics: dict) -> None:
-        for key, val in metrics.items():
-            bucket = merged.setdefault(key, [])
-            if isinstance(val, (list, tuple)):
-                bucket.extend(val)
-            else:
-                bucket.append(val)
-
-    for metrics in parts:
-        if metrics is None:
-            continue
-        if isinstance(metrics, dict):
-            add(metrics)
-        elif isinstance(metrics, (list, tuple)):
-            for m in metrics:
-                add(m)
-        else:
-            raise ValueError(f"meta_info['metrics'] must be a dict or a list of dicts, got {type(metrics).__name__}")
-    return merged
-
-
-def _index_tensor(idxs: Any, length: int) -> torch.Tensor:
-    """Normalise list / numpy / torch indices or boolean masks to a 1-D LongTensor of row ids."""
-    if isinstance(idxs, torch.Tensor):
-        idx = idxs.detach().cpu()
-    else:
-        arr = np.asarray(idxs)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        idx = torch.from_numpy(np.ascontiguousarray(arr))
-    if idx.ndim != 1:
-        raise IndexError(f"row indices must be 1-D, got shape {tuple(idx.shape)}")
-    if idx.dtype == torch.bool:
-        if idx.numel() != length:
-            raise IndexError(f"boolean mask has length {idx.numel()}, DataProto has {length} rows")
-        return torch.nonzero(idx, as_tuple=False).flatten()
-    if idx.is_floating_point() or idx.is_complex():
-        raise IndexError(f"row indices must be integers or booleans, got dtype {idx.dtype}")
-    idx = idx.long()
-    if idx.numel() and (idx.max() >= length or idx.min() < -length):
-        raise IndexError(f"row index out of range for DataProto with {length} rows")
-    return torch.where(idx < 0, idx + length, idx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,20 +443,6 @@ class DataProto:
             self.batch = self.batch.to(device)
         return self
 
-    def print_size(self, prefix: str = "") -> str:
-        """Print (and return) the bytes held by tensors and by the numpy arrays, in GB.
-
-        For object arrays this counts the pointers only, not the Python objects they hold.
-        """
-        tensor_bytes = 0
-        if self.batch is not None:
-            for tensor in self.batch.values(include_nested=True, leaves_only=True):
-                tensor_bytes += tensor.numel() * tensor.element_size()
-        numpy_bytes = sum(val.nbytes for val in self.non_tensor_batch.values())
-        text = f"{prefix}Size of tensordict: {tensor_bytes / 1024**3} GB, size of non_tensor_batch: {numpy_bytes / 1024**3} GB"
-        print(text)
-        return text
-
     def __getstate__(self) -> dict:
         batch = self.batch
         if batch is not None:
@@ -638,19 +457,6 @@ class DataProto:
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
 
-    def save_to_disk(self, filepath: str) -> None:
-        """Pickle to ``filepath``."""
-        with open(filepath, "wb") as f:
-            pickle.dump(self, f)
-
-    @staticmethod
-    def load_from_disk(filepath: str) -> DataProto:
-        """Load a DataProto written by :meth:`save_to_disk` (pickle: trusted files only)."""
-        with open(filepath, "rb") as f:
-            data = pickle.load(f)
-        if not isinstance(data, DataProto):
-            raise ValueError(f"{filepath} does not hold a DataProto (got {type(data).__name__})")
-        return data
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class RecordingOptimizer:
 def actor_grad(model, data, **cfg):
     opt = RecordingOptimizer(model)
     base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), ppo_epochs=1, grad_clip=None)
-    actor = DataParallelPPOActor({**base, **cfg}, model, opt)
+    packed = cfg.pop("use_remove_padding", False)
+    actor = DataParallelPPOActor({**base, **cfg}, model, opt, use_remove_padding=packed)
     metrics = actor.update_policy(data)
     assert len(opt.grads) == 1
     return opt.grads[0], metrics
@@ -163,7 +164,7 @@ def test_compute_log_prob_matches_plain_forward(model):
         lp_dyn, ent_dyn = actor.compute_log_prob(data, calculate_entropy=True)
         torch.testing.assert_close(lp_dyn, lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent_dyn, ent, atol=1e-5, rtol=1e-5)
-        packed = DataParallelPPOActor({"use_remove_padding": True}, model)
+        packed = DataParallelPPOActor({}, model, use_remove_padding=True)
         seen = []
         hook = model.register_forward_pre_hook(
             lambda mod, args, kw: seen.append((kw["input_ids"].shape[0], kw["attention_mask"])), with_kwargs=True)
@@ -180,7 +181,7 @@ def test_compute_log_prob_matches_plain_forward(model):
 def test_remove_padding_fallbacks(model):
     from types import SimpleNamespace
 
-    from verl_arpo.workers.actor.dp_actor import _pack, packing_supported
+    from verl_arpo.workers.training_core import _pack, packing_supported
 
     assert packing_supported(model) == (True, "")
     assert not packing_supported(SimpleNamespace(config=SimpleNamespace(_attn_implementation="paged_attention")))[0]

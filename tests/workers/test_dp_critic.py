@@ -83,7 +83,10 @@ class RecordingOptimizer:
 
 def critic_grad(model, data, **cfg):
     opt = RecordingOptimizer(model)
-    base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), cliprange_value=0.2)
+    base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), cliprange_value=0.2,
+                grad_clip=None)
+    if cfg.pop("use_remove_padding", False):
+        cfg["model"] = {"use_remove_padding": True}
     metrics = DataParallelPPOCritic({**base, **cfg}, model, opt).update_critic(data)
     return opt.grads[0], metrics
 

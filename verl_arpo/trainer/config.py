@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from verl_arpo.utils.job_config import ConfigError, JobConfig, not_implemented_problems
+
 __all__ = ["ConfigError", "validate_config", "normalize_config", "mask_secrets", "mask_text",
            "resolve_device", "parse_logger", "resolve_project_path", "PROJECT_ROOT", "LOGGER_BACKENDS"]
 
@@ -50,15 +52,6 @@ SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_F
 MASK = "***"
 _SECRET_KEY = re.compile(r"api_?key|secret|password|passwd|credential|token$", re.IGNORECASE)
 _MISSING = object()
-
-
-class ConfigError(ValueError):
-    """A config with one or more bad values; `.problems` lists (key, message) pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = list(problems)
-        lines = [f"  - {key}: {msg}" for key, msg in self.problems]
-        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n" + "\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -429,8 +422,26 @@ def _check_trainer(c: DictConfig, add: Callable[[str, str], None]) -> None:
         add("ray_init.num_cpus", "must be null (all CPUs) or an integer >= 1")
 
 
+def _check_typed(c: DictConfig, add: Callable[[str, str], None]) -> None:
+    """The tree builds a JobConfig (no unknown key, numbers where numbers belong) and sets no key that
+    no code reads yet to a non-default value (job_config.NOT_IMPLEMENTED)."""
+    try:
+        plain = OmegaConf.to_container(c, resolve=True, throw_on_missing=False)
+    except Exception:  # a broken interpolation: the checks above name it
+        return
+    plain.pop("hydra", None)
+    try:
+        job = JobConfig.from_mapping(plain)
+    except ConfigError as exc:
+        for key, msg in exc.problems:
+            add(key, msg)
+        return
+    for key, msg in not_implemented_problems(job):
+        add(key, msg)
+
+
 _CHECKS = (_check_model, _check_rollout, _check_batches, _check_lengths, _check_algorithm, _check_actor,
-           _check_files, _check_trainer)
+           _check_files, _check_trainer, _check_typed)
 
 
 def validate_config(cfg: DictConfig | Mapping) -> None:

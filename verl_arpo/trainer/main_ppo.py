@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
+from verl_arpo.utils.job_config import JobConfig, RayInitConfig, from_mapping
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 """Absolute path of the repository's configs/ folder (Hydra's default --config-path)."""
@@ -74,7 +75,7 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
-def init_ray(cfg: DictConfig) -> bool:
+def init_ray(cfg: JobConfig | DictConfig) -> bool:
     """Start a local Ray cluster, or join `ray_init.address`. Returns True when this call started Ray."""
     import ray
 
@@ -82,17 +83,15 @@ def init_ray(cfg: DictConfig) -> bool:
         return False
     for key, value in DEFAULT_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    ray_cfg = cfg.get("ray_init", None) or {}
-    runtime_env = dict(_plain(ray_cfg.get("runtime_env", None)) or {})
+    ray_cfg = cfg.ray_init if isinstance(cfg, JobConfig) else from_mapping(RayInitConfig, _plain(cfg.ray_init), "ray_init")
+    runtime_env = dict(ray_cfg.runtime_env or {})  # free-form: Ray's runtime_env fields
     env_vars = {**DEFAULT_RAY_ENV, **(runtime_env.get("env_vars") or {})}
     runtime_env["env_vars"] = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env_vars.items()}
-    address = ray_cfg.get("address", None)
-    if address:
-        ray.init(address=str(address), runtime_env=runtime_env)
+    if ray_cfg.address:
+        ray.init(address=str(ray_cfg.address), runtime_env=runtime_env)
     else:
-        num_cpus = ray_cfg.get("num_cpus", None)
-        ray.init(num_cpus=int(num_cpus) if num_cpus else None, runtime_env=runtime_env,
-                 include_dashboard=bool(ray_cfg.get("include_dashboard", False)))
+        ray.init(num_cpus=int(ray_cfg.num_cpus) if ray_cfg.num_cpus else None, runtime_env=runtime_env,
+                 include_dashboard=bool(ray_cfg.include_dashboard))
     return True
 
 

@@ -19,7 +19,8 @@ and accumulates gradients of
     loss = Σ_{tokens t with mask 1} −log p(x_t | x_<t)  /  (number of mask-1 tokens in the global batch)
 
 (token-mean over the whole global batch, the same whatever the micro-batch split or world size) →
-clip the gradient norm, AdamW step, warmup + cosine schedule → at the end save a plain HF folder
+clip the gradient norm, AdamW step (skipped on a non-finite norm), warmup + cosine schedule — the
+RL trainer's own mechanics, from verl_arpo/workers/training_core.py → at the end save a plain HF folder
 (safetensors, config, generation config, tokenizer) in `trainer.default_local_dir`.
 
 Distribution: a single process trains the plain module. Under torchrun (WORLD_SIZE > 1) the process
@@ -35,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import random
 import sys
@@ -49,6 +49,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.sft_data import read_records, to_messages, tokenize_conversation
+from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.workers.training_core import (attn_implementation, build_adamw, build_lr_scheduler, clip_grad_and_step,
+                                             shard_fsdp2)
 
 logger = logging.getLogger("verl_arpo.sft")
 
@@ -68,7 +71,7 @@ DEFAULTS: dict[str, Any] = {
         "dtype": "float32",              # float32 | bfloat16 (training parameters)
         "autocast_dtype": None,          # null | bfloat16: compute dtype of forward/backward
                                          # (torch.autocast; parameters and AdamW stay model.dtype)
-        "attn_implementation": "sdpa",   # eager | sdpa | flash_attention_2
+        "attn_implementation": None,     # null = flash_attention_2 on CUDA when installed, else sdpa
         "enable_gradient_checkpointing": False,
         "trust_remote_code": False,
     },
@@ -207,18 +210,13 @@ def init_distributed(device_pref: str) -> tuple[int, int, torch.device]:
 
 
 def shard_model(model, world: int, device: torch.device):
-    """FSDP2: each decoder layer, then the root (tied embeddings stay in the root's group)."""
+    """FSDP2 over `world` ranks (training_core.shard_fsdp2: each decoder layer, then the root); a single
+    process trains the plain module. Precision stays `model.dtype` / `model.autocast_dtype`."""
     if world == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (world,))
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_fsdp2(model, init_device_mesh(device.type, (world,)))
 
 
 def _all_reduce_sum(value: float, device: torch.device) -> float:
@@ -240,18 +238,11 @@ def full_state_dict(model, world: int) -> dict[str, torch.Tensor] | None:
 
 
 # --------------------------------------------------------------------------- training
-def lr_lambda(total_steps: int, warmup_ratio: float, style: str, min_ratio: float):
-    warmup = int(total_steps * warmup_ratio)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if style == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
+def optim_config(optim: DictConfig) -> OptimConfig:
+    """The SFT `optim` keys (verl's SFT names) as the trainers' OptimConfig, for build_adamw / build_lr_scheduler."""
+    return OptimConfig(lr=float(optim.lr), lr_warmup_steps=-1, lr_warmup_steps_ratio=float(optim.warmup_steps_ratio),
+                       warmup_style=str(optim.lr_scheduler), min_lr_ratio=float(optim.min_lr_ratio),
+                       weight_decay=float(optim.weight_decay), betas=tuple(optim.betas))
 
 
 def evaluate_loss(model, dataset: SFTDataset, micro: int, pad_id: int, device) -> float:
@@ -288,7 +279,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(cfg.model.dtype)]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                                 attn_implementation=cfg.model.attn_implementation).to(device)
+                                                 attn_implementation=attn_implementation(cfg.model.attn_implementation)).to(device)
     if cfg.model.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
@@ -304,10 +295,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     total = steps_per_epoch * int(cfg.trainer.total_epochs)
     if cfg.trainer.total_training_steps:
         total = min(total, int(cfg.trainer.total_training_steps))
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                              weight_decay=cfg.optim.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.optim.warmup_steps_ratio,
-                                                               cfg.optim.lr_scheduler, cfg.optim.min_lr_ratio))
+    optim = build_adamw(model.parameters(), optim_config(cfg.optim))
+    sched = build_lr_scheduler(optim, optim_config(cfg.optim), total)
     out_dir = Path(os.path.expanduser(str(cfg.trainer.default_local_dir)))
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -337,11 +326,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
                 # FSDP2 averages gradients over ranks: × world turns that back into the global sum
                 (nll * world / max(1, n_targets)).backward()
                 nll_sum += float(nll.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            used_lr = optim.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on below)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
+            used_lr = optim.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves on below)
+            grad_norm = clip_grad_and_step(model, optim, float(cfg.optim.clip_grad), "sft")
             sched.step()
             step += 1
             rec = {"step": step, "epoch": epoch, "loss": _all_reduce_sum(nll_sum, device) / max(1, n_targets),

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from verl_arpo.utils.job_config import JobConfig
 from verl_arpo.utils.reward_score import default_compute_score
 from verl_arpo.utils.reward_score.custom import (CustomRewardFunction, load_custom_reward_function,
                                                  score_items)
@@ -78,11 +79,10 @@ def get_reward_manager_cls(name: str) -> type:
     return REWARD_MANAGER_REGISTRY[name]
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    getter = getattr(cfg, "get", None)
-    return getter(key, default) if callable(getter) else getattr(cfg, key, default)
+def _job(config: Any) -> JobConfig:
+    """The typed config (a composed Hydra tree or a partial mapping is built into one; absent keys
+    take the YAML defaults)."""
+    return config if isinstance(config, JobConfig) else JobConfig.from_mapping(config)
 
 
 def get_custom_reward_fn(config: Any) -> Optional[CustomRewardFunction]:
@@ -90,13 +90,10 @@ def get_custom_reward_fn(config: Any) -> Optional[CustomRewardFunction]:
 
     Returns None when no path is set (the manager then uses `default_compute_score`).
     """
-    section = _cfg_get(config, "custom_reward_function")
-    path = _cfg_get(section, "path")
-    if not path:
+    section = _job(config).custom_reward_function
+    if not section.path:
         return None
-    name = _cfg_get(section, "name") or "compute_score"
-    kwargs = _cfg_get(section, "reward_kwargs") or {}
-    return load_custom_reward_function(path, name, dict(kwargs))
+    return load_custom_reward_function(section.path, section.name or "compute_score", dict(section.reward_kwargs or {}))
 
 
 def _score_and_extras(result: Any, index: int) -> Tuple[float, Dict[str, Any]]:
@@ -302,12 +299,11 @@ def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwa
     Uses `custom_reward_function` when its path is set, `data.reward_fn_key` (default
     "data_source"), and the optional `reward_model.num_workers` / `reward_model.parallel_threshold`.
     """
-    reward_cfg = _cfg_get(config, "reward_model")
-    cls = get_reward_manager_cls(_cfg_get(reward_cfg, "reward_manager") or "naive")
-    options = {"reward_fn_key": _cfg_get(_cfg_get(config, "data"), "reward_fn_key") or "data_source"}
-    for key in ("num_workers", "parallel_threshold"):
-        value = _cfg_get(reward_cfg, key)
-        if value is not None:
-            options[key] = value
+    job = _job(config)
+    reward_cfg = job.reward_model
+    cls = get_reward_manager_cls(reward_cfg.reward_manager)
+    options = {"reward_fn_key": job.data.reward_fn_key, "parallel_threshold": reward_cfg.parallel_threshold}
+    if reward_cfg.num_workers is not None:  # None: the manager's own choice, min(4, cpu count)
+        options["num_workers"] = reward_cfg.num_workers
     options.update(kwargs)
-    return cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=get_custom_reward_fn(config), **options)
+    return cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=get_custom_reward_fn(job), **options)

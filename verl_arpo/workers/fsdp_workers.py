@@ -1,7 +1,8 @@
 """FSDP2 workers: `ActorRolloutRefWorker` (actor + rollout + reference in one process per slot) and
 `CriticWorker`. Device-agnostic: cuda + nccl when a GPU exists, else cpu + gloo; same code.
 
-One actor per slot hosts up to three roles ("actor", "rollout", "ref" or combinations):
+One actor per slot hosts all three roles (verl's colocated "actor_rollout_ref"; split roles on
+separate GPUs are not implemented):
 - actor: the HF model sharded with FSDP2 (`fully_shard` per decoder layer + root) on a 1-D device
   mesh, AdamW, lr schedule, optional LoRA (peft) and gradient checkpointing;
 - rollout: an inference engine (HF or vLLM) with its *own* unsharded copy of the weights — FSDP
@@ -14,64 +15,21 @@ One actor per slot hosts up to three roles ("actor", "rollout", "ref" or combina
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
-import os
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name
+from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
+from verl_arpo.workers.training_core import (attn_implementation, build_adamw, build_lr_scheduler, fsdp_mixed_precision,
+                                             maybe_reshard, move_optimizer_state, shard_fsdp2)
 
 logger = logging.getLogger(__name__)
-
-
-def _attn_impl(requested: str | None) -> str:
-    """flash_attention_2 when requested/installed on CUDA, else sdpa."""
-    if requested:
-        return requested
-    if torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
-def move_optimizer_state(optimizer, device: str) -> None:
-    """Move AdamW moments between the accelerator and host memory (optimizer_offload on GPU)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
-
-
-def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
-    """Linear warmup, then constant or cosine (to min_lr_ratio·lr)."""
-    total = max(1, int(total_steps or 1))
-    warmup = int(optim_cfg.get("lr_warmup_steps", -1) or -1)
-    if warmup < 0:
-        warmup = int(float(optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0) * total)
-    style = optim_cfg.get("warmup_style", "constant")
-    floor = float(optim_cfg.get("min_lr_ratio", 0.0) or 0.0)
-    if style not in ("constant", "cosine"):
-        raise ValueError(f"unknown optim.warmup_style {style!r}; accepted: ['constant', 'cosine']")
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        if style == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class _FSDPModelMixin:
@@ -85,42 +43,21 @@ class _FSDPModelMixin:
         return self._device_mesh
 
     def _shard(self, model, fsdp_cfg, train: bool):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        mp = None
-        mp_cfg = fsdp_cfg.get("mixed_precision", None)
-        if self.device_name == "cuda" or mp_cfg:
-            mp_cfg = mp_cfg or {}
-            mp = MixedPrecisionPolicy(param_dtype=getattr(torch, mp_cfg.get("param_dtype", "bfloat16")),
-                                      reduce_dtype=getattr(torch, mp_cfg.get("reduce_dtype", "float32")))
-        kwargs = dict(mesh=self._mesh(), reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
-        if mp is not None:
-            kwargs["mp_policy"] = mp
-        if fsdp_cfg.get("param_offload", False) and self.device_name == "cuda":
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        layer_names = set(getattr(model, "_no_split_modules", None) or [])
-        for module in model.modules():
-            if type(module).__name__ in layer_names:
-                fully_shard(module, **kwargs)
-        fully_shard(model, **kwargs)
-        if not train:
-            model.requires_grad_(False)
-        return model
+        return shard_fsdp2(model, self._mesh(), mp_policy=fsdp_mixed_precision(fsdp_cfg.mixed_precision, self.device_name),
+                           reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                           cpu_offload=fsdp_cfg.param_offload and self.device_name == "cuda", train=train)
 
 
 class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     """Roles: "actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref"."""
 
-    def __init__(self, config: DictConfig | dict, role: str = "actor_rollout_ref", full_config: Any = None):
+    def __init__(self, config: ActorRolloutRefConfig | dict, role: str = "actor_rollout_ref"):
         super().__init__()
-        if role not in ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref"):
-            raise ValueError(f"unknown worker role {role!r}")
-        self.config = OmegaConf.create(config) if isinstance(config, dict) else config
-        self.full_config = full_config
+        if role != "actor_rollout_ref":
+            raise ValueError(f"worker role {role!r} is not implemented: actor, rollout and reference always share "
+                             "one worker per slot (role='actor_rollout_ref', actor_rollout_ref.hybrid_engine=true)")
+        self.config: ActorRolloutRefConfig = from_mapping(ActorRolloutRefConfig, config, "actor_rollout_ref")
         self.role = role
-        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
-        self._is_rollout = "rollout" in role
-        self._is_ref = role in ("ref", "actor_rollout_ref")
         self.device_name = get_device_name()
 
     # ------------------------------------------------------------------ init
@@ -136,61 +73,51 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.init_process_group()
         torch.manual_seed(int(seed) + self.rank)
         mcfg = self.config.model
-        if mcfg.get("external_lib", None):  # registers custom model classes with the Auto* factories
+        if mcfg.external_lib:  # registers custom model classes with the Auto* factories
             import importlib
 
             importlib.import_module(mcfg.external_lib)
         path = mcfg.path
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=mcfg.get("trust_remote_code", False))
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.get("trust_remote_code", False))
-        attn = _attn_impl(mcfg.get("attn_implementation", None))
-        self.lora = int(mcfg.get("lora_rank", 0) or 0) > 0
+        self.hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
+        attn = attn_implementation(mcfg.attn_implementation)
+        self.lora = int(mcfg.lora_rank or 0) > 0
         self.actor_module = self.actor = self.ref_module = None
 
         def load(train: bool):
             model = AutoModelForCausalLM.from_pretrained(
                 path, torch_dtype=torch.float32, attn_implementation=attn,
-                trust_remote_code=mcfg.get("trust_remote_code", False),
-                **dict(mcfg.get("override_config", {}) or {}))
-            if train and mcfg.get("enable_gradient_checkpointing", False):
+                trust_remote_code=mcfg.trust_remote_code, **dict(mcfg.override_config or {}))
+            if train and mcfg.enable_gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if train and self.lora:
                 from peft import LoraConfig, get_peft_model
 
-                tm = mcfg.get("target_modules", "all-linear")
+                tm = mcfg.target_modules
                 model = get_peft_model(model, LoraConfig(
-                    r=int(mcfg.lora_rank), lora_alpha=int(mcfg.get("lora_alpha", 16)),
+                    r=int(mcfg.lora_rank), lora_alpha=int(mcfg.lora_alpha),
                     target_modules=tm if isinstance(tm, str) else list(tm), bias="none", task_type="CAUSAL_LM"))
             return model.to(self.device_name)
 
-        # the actor/ref read use_remove_padding from their own section (verl keeps it under model)
-        for section in ("actor", "ref", "rollout"):
-            if section in self.config:
-                with open_dict(self.config[section]):
-                    self.config[section].use_remove_padding = bool(mcfg.get("use_remove_padding", False))
-        if self._is_actor:
-            acfg = self.config.actor
-            self.actor_module = self._shard(load(train=True), acfg.fsdp_config, train=True)
-            opt = acfg.optim
-            self.actor_optimizer = torch.optim.AdamW(
-                [p for p in self.actor_module.parameters() if p.requires_grad], lr=float(opt.lr),
-                betas=tuple(opt.get("betas", (0.9, 0.999))), weight_decay=float(opt.get("weight_decay", 0.01)))
-            self.lr_scheduler = build_lr_scheduler(self.actor_optimizer, opt, total_training_steps)
-            self.actor = DataParallelPPOActor(acfg, self.actor_module, self.actor_optimizer)
-            self.checkpoint_manager = FSDPCheckpointManager(
-                self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
-                checkpoint_contents=tuple(acfg.get("checkpoint", {}).get("contents", ["model", "optimizer", "extra"])),
-                hf_config=self.hf_config)
+        acfg = self.config.actor
+        self.actor_module = self._shard(load(train=True), acfg.fsdp_config, train=True)
+        opt = acfg.optim
+        self.actor_optimizer = build_adamw(self.actor_module.parameters(), opt)
+        self.lr_scheduler = build_lr_scheduler(self.actor_optimizer, opt, total_training_steps)
+        self.actor = DataParallelPPOActor(acfg, self.actor_module, self.actor_optimizer,
+                                          use_remove_padding=mcfg.use_remove_padding, shuffle_seed=seed)
+        self.checkpoint_manager = FSDPCheckpointManager(
+            self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
+            checkpoint_contents=tuple(acfg.checkpoint.contents), hf_config=self.hf_config)
         self.need_ref = bool(need_ref)
-        if self._is_ref and self.need_ref and not self.lora:
+        if self.need_ref and not self.lora:
             self.ref_module = self._shard(load(train=False), self.config.ref.fsdp_config, train=False)
-            self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module)
-        if self._is_rollout:
-            self._build_rollout(path)
-            if self._is_actor:
-                self._sync_rollout_weights()
+            # log-prob micro-batch sizes come from meta_info (_log_prob_meta); no actor keys apply
+            self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding)
+        self._build_rollout(path)
+        self._sync_rollout_weights()
 
     def _build_rollout(self, path: str):
         from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
@@ -198,23 +125,20 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 
         rcfg = self.config.rollout
-        name = rcfg.get("name", "hf")
+        name = rcfg.name
         if name == "hf":
-            engine_kwargs = dict(dtype=rcfg.get("dtype", "float32"), device=self.device_name,
-                                 seed=int(rcfg.get("seed", 0)) + self.rank)
+            engine_kwargs = dict(dtype=rcfg.dtype, device=self.device_name, seed=int(rcfg.seed) + self.rank)
         else:
-            engine_kwargs = dict(gpu_memory_utilization=float(rcfg.get("gpu_memory_utilization", 0.5)),
-                                 tensor_model_parallel_size=int(rcfg.get("tensor_model_parallel_size", 1)),
-                                 enable_prefix_caching=bool(rcfg.get("enable_prefix_caching", True)),
-                                 dtype=rcfg.get("dtype", "auto"), seed=int(rcfg.get("seed", 0)) + self.rank,
-                                 max_model_len=rcfg.get("max_model_len", None)
-                                 or int(rcfg.prompt_length) + int(rcfg.response_length))
+            engine_kwargs = dict(gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
+                                 tensor_model_parallel_size=int(rcfg.tensor_model_parallel_size),
+                                 enable_prefix_caching=bool(rcfg.enable_prefix_caching),
+                                 dtype=rcfg.dtype, seed=int(rcfg.seed) + self.rank,
+                                 max_model_len=rcfg.max_model_len or int(rcfg.prompt_length) + int(rcfg.response_length))
         self.engine = build_engine(name, path, self.tokenizer, **engine_kwargs)
-        tools_cfg = OmegaConf.to_container(rcfg.tools, resolve=True) if "tools" in rcfg else None
-        self.tool_executor = ToolExecutor.from_config({"tools": tools_cfg}) if tools_cfg else None
+        self.tool_executor = ToolExecutor.from_config({"tools": dataclasses.asdict(rcfg.tools)})
         call_limit = self.tool_executor.call_limit if self.tool_executor else 0
         # each rank draws from its own stream: seed + rank (the step enters inside the loop)
-        loop_cfg = RolloutConfig.from_config(rcfg, call_limit=call_limit, seed=int(rcfg.get("seed", 0)) * 1000 + self.rank)
+        loop_cfg = RolloutConfig.from_config(rcfg, call_limit=call_limit, seed=int(rcfg.seed) * 1000 + self.rank)
         self.agent_loop = AgentLoop(self.engine, self.tokenizer, self.tool_executor, loop_cfg)
 
     # ------------------------------------------------------------------ weight sync
@@ -229,7 +153,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             for name, p in params.items():
                 yield name, full(p)
             return
-        scale = float(self.config.model.get("lora_alpha", 16)) / float(self.config.model.lora_rank)
+        scale = float(self.config.model.lora_alpha) / float(self.config.model.lora_rank)
         for name, p in params.items():
             if "lora_" in name:
                 continue
@@ -245,8 +169,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     def _sync_rollout_weights(self):
         with torch.no_grad():
             self.engine.update_weights(self._full_named_params())
-        if hasattr(self.actor_module, "reshard"):
-            self.actor_module.reshard()
+        maybe_reshard(self.actor_module)
 
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -257,17 +180,17 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         return out
 
     def _log_prob_meta(self, data: DataProto, cfg) -> DataProto:
-        data.meta_info.setdefault("temperature", float(self.config.rollout.get("temperature", 1.0)))
-        data.meta_info["micro_batch_size"] = int(cfg.get("log_prob_micro_batch_size_per_gpu", 8) or 8)
-        data.meta_info["use_dynamic_bsz"] = bool(cfg.get("log_prob_use_dynamic_bsz", False))
-        data.meta_info["max_token_len"] = int(cfg.get("log_prob_max_token_len_per_gpu", 16384))
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        data.meta_info["micro_batch_size"] = int(cfg.log_prob_micro_batch_size_per_gpu)
+        data.meta_info["use_dynamic_bsz"] = bool(cfg.log_prob_use_dynamic_bsz)
+        data.meta_info["max_token_len"] = int(cfg.log_prob_max_token_len_per_gpu)
         return data
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data = self._log_prob_meta(data, self.config.rollout)
         log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
-        self.actor_module.reshard() if hasattr(self.actor_module, "reshard") else None
+        maybe_reshard(self.actor_module)
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
                                    meta_info={"temperature": data.meta_info["temperature"]})
 
@@ -281,13 +204,13 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         else:
             log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
             module = self.ref_module
-        module.reshard() if hasattr(module, "reshard") else None
+        maybe_reshard(module)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
-        data.meta_info.setdefault("temperature", float(self.config.rollout.get("temperature", 1.0)))
-        offload = bool(self.config.actor.fsdp_config.get("optimizer_offload", False)) and self.device_name != "cpu"
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        offload = bool(self.config.actor.fsdp_config.optimizer_offload) and self.device_name != "cpu"
         if offload:
             move_optimizer_state(self.actor_optimizer, self.device_name)
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this update uses
@@ -301,8 +224,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self):
         """Stream the updated actor weights into this rank's engine (the trainer times it apart)."""
-        if self._is_rollout:
-            self._sync_rollout_weights()
+        self._sync_rollout_weights()
 
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -312,8 +234,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str):
         self.checkpoint_manager.load_checkpoint(local_path)
-        if self._is_rollout:
-            self._sync_rollout_weights()
+        self._sync_rollout_weights()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def node_info(self) -> dict:
@@ -323,9 +244,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 class CriticWorker(Worker, _FSDPModelMixin):
     """The value model for GAE: an HF token-classification head with one label, FSDP2-sharded."""
 
-    def __init__(self, config: DictConfig | dict):
+    def __init__(self, config: CriticConfig | dict, seed: int = 0):
         super().__init__()
-        self.config = OmegaConf.create(config) if isinstance(config, dict) else config
+        self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
+        self.seed = seed
         self.device_name = get_device_name()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -336,32 +258,34 @@ class CriticWorker(Worker, _FSDPModelMixin):
         from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic
 
         self.init_process_group()
+        torch.manual_seed(int(self.seed) + self.rank)  # the value head's random init: same seed, same critic
         mcfg = self.config.model
-        tok = AutoTokenizer.from_pretrained(mcfg.get("tokenizer_path", None) or mcfg.path)
-        hf_config = AutoConfig.from_pretrained(mcfg.path, num_labels=1)
+        tok = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path, trust_remote_code=mcfg.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(mcfg.path, num_labels=1, trust_remote_code=mcfg.trust_remote_code,
+                                               **dict(mcfg.override_config or {}))
         hf_config.classifier_dropout = 0.0  # the value head must be deterministic (Qwen2 defaults to 0.1)
         model = AutoModelForTokenClassification.from_pretrained(
             mcfg.path, config=hf_config, torch_dtype=torch.float32,
-            attn_implementation=_attn_impl(mcfg.get("attn_implementation", None))).to(self.device_name)
-        if mcfg.get("enable_gradient_checkpointing", False):
+            attn_implementation=attn_implementation(mcfg.attn_implementation),
+            trust_remote_code=mcfg.trust_remote_code).to(self.device_name)
+        if mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.critic_module = self._shard(model, mcfg.fsdp_config, train=True)
         opt = self.config.optim
-        self.critic_optimizer = torch.optim.AdamW(self.critic_module.parameters(), lr=float(opt.lr),
-                                                  betas=tuple(opt.get("betas", (0.9, 0.999))),
-                                                  weight_decay=float(opt.get("weight_decay", 0.01)))
+        self.critic_optimizer = build_adamw(self.critic_module.parameters(), opt)
         self.lr_scheduler = build_lr_scheduler(self.critic_optimizer, opt, total_training_steps)
-        self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer)
+        self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
+                                            shuffle_seed=self.seed)
         self.checkpoint_manager = FSDPCheckpointManager(self.critic_module, self.critic_optimizer, self.lr_scheduler,
                                                         processing_class=tok, hf_config=hf_config)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        data.meta_info["micro_batch_size"] = int(self.config.get("ppo_micro_batch_size_per_gpu", 4))
-        data.meta_info["use_dynamic_bsz"] = bool(self.config.get("use_dynamic_bsz", False))
-        data.meta_info["max_token_len"] = int(self.config.get("forward_max_token_len_per_gpu", 32768))
+        data.meta_info["micro_batch_size"] = int(self.config.ppo_micro_batch_size_per_gpu)
+        data.meta_info["use_dynamic_bsz"] = bool(self.config.use_dynamic_bsz)
+        data.meta_info["max_token_len"] = int(self.config.forward_max_token_len_per_gpu)
         values = self.critic.compute_values(data)
-        self.critic_module.reshard() if hasattr(self.critic_module, "reshard") else None
+        maybe_reshard(self.critic_module)
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

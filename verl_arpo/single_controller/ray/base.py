@@ -359,10 +359,6 @@ class RayWorkerGroup:
         plan = plan_call("ONE_TO_ALL", self.world_size, args, kwargs)
         return self._wait(method_name, plan.ranks, self._submit(method_name, plan))
 
-    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list:
-        """Like :meth:`execute_all` but returns the Ray object refs without waiting."""
-        return self._submit(method_name, plan_call("ONE_TO_ALL", self.world_size, args, kwargs))
-
     def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method_name`` on rank 0 only and return its result."""
         plan = plan_call("RANK_ZERO", self.world_size, args, kwargs)

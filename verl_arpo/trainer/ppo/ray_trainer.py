@@ -12,16 +12,17 @@ and published atomically, so a run killed at any moment resumes from the last co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.trainer.ppo import core_algos
+from verl_arpo.utils.job_config import JobConfig
 from verl_arpo.trainer.ppo.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -75,25 +76,30 @@ class RayPPOTrainer:
     """Owns the worker groups, the data order, tracking and checkpoints; `fit()` runs training."""
 
     def __init__(self, config, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
-        self.config, self.tokenizer = config, tokenizer
+        self.tokenizer = tokenizer
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
-        algo, actor = config.algorithm, config.actor_rollout_ref.actor
-        self.use_critic = algo.adv_estimator == "gae"
-        # normalize_config has switched off every KL term whose weight is 0: read the flags as they are
-        self.use_kl_in_reward = bool(algo.get("use_kl_in_reward", False))
+        if not isinstance(config, JobConfig):  # a composed Hydra tree (benchmarks, notebooks)
+            from verl_arpo.trainer.config import normalize_config
+
+            config = JobConfig.from_mapping(normalize_config(config))
+        self.config: JobConfig = config
+        derived = config.derived
+        self.use_critic = derived.need_critic
+        self.use_kl_in_reward = derived.kl_in_reward_active
         # [fix] the reference paid for a reference forward even with every KL weight at 0
-        self.use_reference_policy = bool(actor.get("use_kl_loss", False)) or self.use_kl_in_reward
-        self.kl_ctrl = core_algos.get_kl_controller(algo.kl_ctrl) if self.use_kl_in_reward else None
+        self.use_reference_policy = derived.need_ref
+        self.on_policy = derived.on_policy
+        self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl) if self.use_kl_in_reward else None
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.batch_size = int(config.data.train_batch_size)
         self.steps_per_epoch = len(train_dataset) // self.batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"data.train_batch_size={self.batch_size} is larger than the training set "
                              f"({len(train_dataset)} rows): lower it")
-        total = config.trainer.get("total_training_steps", None)
+        total = config.trainer.total_training_steps
         self.total_training_steps = int(total) if total else int(config.trainer.total_epochs) * self.steps_per_epoch
-        self.n_workers = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+        self.n_workers = derived.world_size
         self.global_steps = 0
         self.last_checkpoint: str | None = None
 
@@ -103,22 +109,20 @@ class RayPPOTrainer:
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
-        use_gpu = cfg.trainer.get("device", "auto") == "cuda" or (
-            cfg.trainer.get("device", "auto") == "auto" and torch.cuda.is_available())
+        use_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
         self.resource_pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
                                              use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1)
-        actor_cfg = OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True)
         self.actor_rollout_wg = RayWorkerGroup(
-            self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=actor_cfg, role="actor_rollout_ref"),
+            self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref"),
             name_prefix="actor_rollout_ref")
-        self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.get("seed", 0)))
+        self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.seed))
         infos = self.actor_rollout_wg.execute_all("get_node_info")  # after init_model: the process group exists
         print("[verl_arpo] worker ranks on nodes: " + ", ".join(
             f"rank {i['rank']} on {i['ip']} (pid {i['pid']}, GLOO_SOCKET_IFNAME={i.get('gloo_socket_ifname') or '-'})"
             for i in infos) + f"; MASTER_ADDR={infos[0]['master_addr']}:{infos[0]['master_port']}", flush=True)
         if self.use_critic:
-            critic_cfg = OmegaConf.to_container(cfg.critic, resolve=True)
-            self.critic_wg = RayWorkerGroup(self.resource_pool, RayClassWithInitArgs(CriticWorker, config=critic_cfg),
+            self.critic_wg = RayWorkerGroup(self.resource_pool,
+                                            RayClassWithInitArgs(CriticWorker, config=cfg.critic, seed=int(cfg.trainer.seed)),
                                             name_prefix="critic")
             self.critic_wg.init_model(self.total_training_steps)
 
@@ -138,8 +142,8 @@ class RayPPOTrainer:
         = a permutation seeded by (data.seed, epoch), so a resumed run sees exactly the same batches."""
         epoch, k = divmod(step - 1, self.steps_per_epoch)
         n = len(self.train_dataset)
-        order = (np.random.default_rng([int(self.config.data.get("seed", 1)), epoch]).permutation(n)
-                 if self.config.data.get("shuffle", True) else np.arange(n))
+        order = (np.random.default_rng([int(self.config.data.seed), epoch]).permutation(n)
+                 if self.config.data.shuffle else np.arange(n))
         return order[k * self.batch_size:(k + 1) * self.batch_size]
 
     def _collate(self, dataset, indices) -> DataProto:
@@ -158,7 +162,7 @@ class RayPPOTrainer:
         merged = batch.repeat(n, interleave=True).union(out)
         return merged, out.meta_info.get("metrics", {})
 
-    def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
+    def _balance_batch(self, batch: DataProto) -> None:
         """Reorder trajectories so every data-parallel rank gets a similar number of tokens."""
         from verl_arpo.utils.seqlen_balancing import balance_batch_indices
 
@@ -175,14 +179,6 @@ class RayPPOTrainer:
             metrics.update(result.get("reward_metrics", {}))
         return result.get("reward_extra_info", {})
 
-    def _on_policy(self, n_rows: int) -> bool:
-        """One epoch, one mini-batch and nothing else reading π_old: the old-log-prob pass would
-        recompute exactly the log-probs the update's first forward computes, so it is skipped
-        (`actor.skip_old_log_prob_on_policy`). ppo_mini_batch_size is per worker here (normalized)."""
-        actor = self.config.actor_rollout_ref.actor
-        return (bool(actor.get("skip_old_log_prob_on_policy", True)) and int(actor.get("ppo_epochs", 1)) == 1
-                and int(actor.ppo_mini_batch_size) * self.n_workers >= n_rows and not self.use_kl_in_reward)
-
     def train_step(self, step: int) -> dict[str, float]:
         cfg, timing, metrics = self.config, {}, {}
         with timed("step", timing):
@@ -191,13 +187,15 @@ class RayPPOTrainer:
                 batch, gen_metrics = self._rollout(batch, step)
             metrics.update(reduce_metrics(gen_metrics))
             batch.meta_info["global_steps"] = step
-            if cfg.trainer.get("balance_batch", True):
-                self._balance_batch(batch, metrics)
+            if cfg.trainer.balance_batch:
+                self._balance_batch(batch)
             with timed("reward", timing):
                 extra = self._score(batch, self.reward_fn, metrics)
             # Two entropies: actor/entropy is H of the policy that generated the batch (π_old, as in
             # verl), actor/update_entropy the mean H over the update's forwards (after earlier steps).
-            on_policy = self._on_policy(len(batch))
+            # one epoch, one mini-batch, nothing else reading π_old (JobConfig.derived.on_policy): the
+            # old-log-prob pass would recompute exactly what the update's first forward computes
+            on_policy = self.on_policy
             if not on_policy:  # else the update's own forward gives π_old (detached)
                 with timed("old_log_prob", timing):
                     lp = self.actor_rollout_wg.compute_log_prob(batch)
@@ -215,17 +213,17 @@ class RayPPOTrainer:
                 if self.use_kl_in_reward:
                     b["token_level_rewards"], kl = core_algos.apply_kl_penalty_to_rewards(
                         b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"], b["response_mask"],
-                        self.kl_ctrl.value, cfg.algorithm.get("kl_penalty", "kl"))
+                        self.kl_ctrl.value, cfg.algorithm.kl_penalty)
                     metrics.update({"actor/reward_kl_penalty": kl.item(), "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
                     self.kl_ctrl.update(kl.item(), n_steps=self.batch_size)
                 else:
                     b["token_level_rewards"] = b["token_level_scores"]
                 compute_advantage(batch, cfg.algorithm.adv_estimator, float(cfg.algorithm.gamma), float(cfg.algorithm.lam),
-                                  bool(cfg.algorithm.get("norm_adv_by_std_in_grpo", True)), cfg.algorithm)
+                                  bool(cfg.algorithm.norm_adv_by_std_in_grpo), cfg.algorithm)
             if self.use_critic:
                 with timed("update_critic", timing):
                     metrics.update(reduce_metrics(self.critic_wg.update_critic(batch).meta_info["metrics"]))
-            if int(cfg.trainer.get("critic_warmup", 0)) < step:
+            if int(cfg.trainer.critic_warmup) < step:
                 with timed("update_actor", timing):
                     metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch).meta_info["metrics"]))
                 if on_policy and "actor/update_entropy" in metrics:
@@ -237,7 +235,7 @@ class RayPPOTrainer:
                 nums = [float(v) for v in vals if isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)]
                 if nums and key != "score":
                     metrics[f"reward/{key}/mean"] = float(np.mean(nums))
-            if cfg.trainer.get("rollout_data_dir"):
+            if cfg.trainer.rollout_data_dir:
                 with timed("dump", timing):
                     from verl_arpo.utils.rollout_dump import dump_rollout
 
@@ -251,8 +249,8 @@ class RayPPOTrainer:
     def validate(self, step: int) -> dict[str, float]:
         if self.val_dataset is None or self.val_reward_fn is None:
             return {}
-        n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))
-        size = self.config.data.get("val_batch_size", None) or len(self.val_dataset)
+        n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
+        size = self.config.data.val_batch_size or len(self.val_dataset)
         sources, uids, scores = [], [], []
         for start in range(0, len(self.val_dataset), int(size)):
             batch = self._collate(self.val_dataset, range(start, min(start + int(size), len(self.val_dataset))))
@@ -284,7 +282,7 @@ class RayPPOTrainer:
         except BaseException:
             abort_checkpoint(staging)  # the previous checkpoint stays the one resume uses
             raise
-        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
+        keep = self.config.trainer.max_actor_ckpt_to_keep
         cleanup_old_checkpoints(root, keep)
         self.last_checkpoint = str(path)
         return str(path)
@@ -293,11 +291,11 @@ class RayPPOTrainer:
         """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
         from verl_arpo.utils.checkpoint import find_latest_ckpt_path, load_dataloader_state
 
-        mode = self.config.trainer.get("resume_mode", "auto")
+        mode = self.config.trainer.resume_mode
         if mode == "disable":
             return 0
         if mode == "resume_path":
-            path = self.config.trainer.get("resume_from_path", None)
+            path = self.config.trainer.resume_from_path
             if not path or not os.path.isdir(path):
                 raise ValueError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a "
                                  f"global_step_N folder, got {path!r}")
@@ -326,15 +324,15 @@ class RayPPOTrainer:
 
         cfg = self.config.trainer
         tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
-                           default_backend=list(cfg.logger), config=mask_secrets(self.config),
+                           default_backend=list(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
                            log_dir=os.path.join(self._ckpt_root(), "logs"))
         tracker.set_total(self.total_training_steps)
         start = self.load_checkpoint()
         last_metrics: dict[str, float] = {}
-        if start == 0 and cfg.get("val_before_train", True) and self.val_reward_fn is not None:
+        if start == 0 and cfg.val_before_train and self.val_reward_fn is not None:
             last_metrics = self._guard(self.validate, 0)
             tracker.log(last_metrics, step=0)
-        save_freq, test_freq = int(cfg.get("save_freq", -1)), int(cfg.get("test_freq", -1))
+        save_freq, test_freq = int(cfg.save_freq), int(cfg.test_freq)
         for step in range(start + 1, self.total_training_steps + 1):
             self.global_steps = step
             metrics = self._guard(self.train_step, step)
@@ -371,11 +369,11 @@ def run_ppo(config, keep_workers: bool = False):
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
     from verl_arpo.utils.reward_manager import load_reward_manager
 
-    config = normalize_config(config)
+    config = JobConfig.from_mapping(normalize_config(config))
     model_path = config.actor_rollout_ref.model.path
-    tokenizer = AutoTokenizer.from_pretrained(config.data.get("tokenizer", None) or model_path)
+    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or model_path)
     train_ds = RLHFDataset(config.data.train_files, tokenizer, config.data)
-    val_ds = RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.get("val_files") else None
+    val_ds = RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.val_files else None
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
     trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn)

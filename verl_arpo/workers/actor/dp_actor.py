@@ -23,194 +23,30 @@ when entropy_coeff != 0 (0 in every shipped config), so the feature silently did
 A' = compute_entropy_aware_advantage(A, H, m, α) per micro-batch (z-statistics over the
 micro-batch, as in the reference; so AEPO advantages, unlike the plain loss, depend on the split).
 
-use_remove_padding (packed sequences). The valid tokens of all rows are concatenated into one row
-with position_ids restarting at 0 and attention_mask=None. transformers (checked in 5.19:
-masking_utils.find_packed_sequence_indices, called by create_causal_mask) infers the sequence
-boundaries from the position_ids and builds a block-diagonal causal mask for sdpa, eager and flex
-attention; flash_attention_2/3 take the varlen path from the same position_ids. So packing works
-on CPU with sdpa and equals the padded forward (tests check this). The transformers docs recommend
-flash attention for packing, and for a reason: with sdpa the packed row gets a dense N×N mask (N =
-valid tokens of the micro-batch), so packing saves the MLP/lm-head work on padding, but attention
-then costs N² instead of B·S² (more whenever N > S·√B) plus N² mask memory. On CPU it pays only
-for very unequal row lengths; on GPU use flash_attention_2. Other attention backends (custom
-kernels without that mask logic) fall back to padded batches with a one-time warning, as do rows
-whose position_ids do not run 0..L−1.
+Packed sequences (use_remove_padding) and the loss normalisation helpers live in
+verl_arpo/workers/training_core.py, shared with the critic and SFT.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections import defaultdict
-from typing import Any
+from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
 from verl_arpo.trainer.ppo.core_algos import (agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn,
                                               kl_penalty, kl_term_active)
+from verl_arpo.utils.job_config import ActorConfig, from_mapping
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,
     entropy_from_logits_with_chunking,
     logprobs_from_logits,
 )
+from verl_arpo.workers.training_core import (TokenWeightedMeans, clip_grad_and_step, global_loss_counts, maybe_reshard,
+                                             packing_supported, response_forward, unpack, warn_once)
 
-__all__ = ["DataParallelPPOActor", "global_loss_counts", "clip_grad_and_step", "response_forward", "unpack",
-           "packing_supported", "maybe_reshard", "TokenWeightedMeans", "cfg_get"]
-
-# Attention backends whose transformers mask/varlen logic detects packed rows from position_ids.
-PACKING_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(msg, stacklevel=3)
-
-
-def cfg_get(config: Any, key: str, default: Any = None) -> Any:
-    """`key` of a dict / OmegaConf node / object; `default` when absent or None."""
-    if config is None:
-        return default
-    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
-    return default if value is None else value
-
-
-# --------------------------------------------------------------------------------------------
-# Forward helpers shared with the critic
-# --------------------------------------------------------------------------------------------
-def packing_supported(module: torch.nn.Module) -> tuple[bool, str]:
-    """Whether packed rows (attention_mask=None, restarting position_ids) are masked correctly."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a hard dependency
-        return False, "transformers is not importable"
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        return False, "this transformers version does not infer packed sequences from position_ids"
-    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if attn not in PACKING_ATTN_IMPLEMENTATIONS:
-        return False, f"attn_implementation {attn!r} does not separate packed sequences"
-    return True, ""
-
-
-def _pack(micro, response_length: int) -> dict | None:
-    """Flatten the valid tokens of a padded micro-batch into one packed row.
-
-    Returns input_ids/position_ids [1, N], `keep` [B, R] (response slot holds a real token) and
-    `keep_idx` [K] (packed index of the token *before* each kept response token, whose logits
-    score it); None when a row's position_ids are not 0..L−1 (boundaries would be ambiguous).
-    """
-    mask = micro["attention_mask"].bool()
-    pos = micro["position_ids"]
-    expected = mask.long().cumsum(-1) - 1
-    if not torch.equal(pos[mask], expected[mask]):
-        return None
-    flat_index = (mask.flatten().long().cumsum(0) - 1).view(mask.shape)
-    s, r = mask.shape[1], response_length
-    keep = mask[:, s - r:]
-    keep_idx = flat_index[:, s - r - 1:s - 1][keep]
-    return dict(input_ids=micro["input_ids"][mask].unsqueeze(0), position_ids=pos[mask].unsqueeze(0),
-                keep=keep, keep_idx=keep_idx)
-
-
-def response_forward(module: torch.nn.Module, micro, response_length: int, use_remove_padding: bool,
-                     causal_lm: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Run `module` and return the logits that score the response slots.
-
-    Returns (logits, keep, packed): padded → logits [B, R, C] for positions −R−1:−1; packed →
-    logits [K, C] for the kept slots only (scatter back with `unpack`). keep [B, R] marks response
-    slots holding real tokens (attention_mask); outputs at other slots are set to 0 by callers.
-    `causal_lm` asks the model for only the needed logits (`logits_to_keep`), which a token
-    classification head does not accept.
-    """
-    r = response_length
-    packed = _pack(micro, r) if use_remove_padding else None
-    if use_remove_padding and packed is None:
-        _warn_once("pos", "use_remove_padding: position_ids are not 0..L-1 per row; using padded batches")
-    if packed is not None:
-        extra = {"logits_to_keep": packed["keep_idx"]} if causal_lm else {}
-        out = module(input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=None,
-                     use_cache=False, **extra)
-        logits = out.logits[0] if causal_lm else out.logits[0, packed["keep_idx"]]
-        return logits, packed["keep"], True
-    s = micro["input_ids"].shape[1]
-    extra = {"logits_to_keep": r + 1} if causal_lm else {}
-    out = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                 position_ids=micro["position_ids"], use_cache=False, **extra)
-    logits = out.logits[:, -r - 1:-1] if causal_lm else out.logits[:, s - r - 1:s - 1]
-    return logits, micro["attention_mask"][:, s - r:].bool(), False
-
-
-def unpack(values: torch.Tensor, keep: torch.Tensor, packed: bool) -> torch.Tensor:
-    """[K] packed or [B, R] padded per-slot values → [B, R], zero where `keep` is False."""
-    if packed:
-        out = values.new_zeros(keep.shape)
-        return out.masked_scatter(keep, values)
-    return values * keep.to(values.dtype)
-
-
-def maybe_reshard(module: torch.nn.Module) -> None:
-    """FSDP2 leaves the root unsharded after a no_grad forward; reshard so the next
-    state-dict/weight-sync sees sharded parameters and the memory is freed."""
-    if hasattr(module, "reshard"):
-        module.reshard()
-
-
-# --------------------------------------------------------------------------------------------
-# Loss scaling and the optimizer step (shared with the critic)
-# --------------------------------------------------------------------------------------------
-def _dp_size(dp_group) -> int:
-    return dist.get_world_size(dp_group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_loss_counts(response_mask: torch.Tensor, dp_group=None) -> dict:
-    """agg_loss kwargs for one mini-batch: valid tokens and valid sequences summed over the
-    data-parallel group (when torch.distributed is initialized), and dp_size."""
-    counts = torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]).to(torch.float64)
-    dp_size = _dp_size(dp_group)
-    if dp_size > 1:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
-    return dict(dp_size=dp_size, batch_num_tokens=counts[0].item(), global_batch_size=counts[1].item())
-
-
-def clip_grad_and_step(module: torch.nn.Module, optimizer, grad_clip: float | None, name: str) -> float:
-    """Clip the global gradient norm and step; skip the step (with a warning) on a non-finite norm.
-
-    torch.nn.utils.clip_grad_norm_ works on FSDP2 DTensor gradients: the norm comes back as a
-    DTensor with a partial placement, whose `full_tensor()` is the global norm (identical on every
-    rank, so every rank makes the same skip decision). Returns the norm before clipping.
-    """
-    max_norm = float(grad_clip) if grad_clip is not None and grad_clip > 0 else math.inf
-    params = [p for p in module.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    norm = float(grad_norm)
-    if math.isfinite(norm):
-        optimizer.step()
-    else:
-        warnings.warn(f"{name}: grad_norm is {norm}; skipping this optimizer step", stacklevel=2)
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
-class TokenWeightedMeans:
-    """Token-weighted running means of micro-batch metrics → exact mini-batch masked means."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weight = 0.0
-
-    def add(self, weight: float, **values: float) -> None:
-        self.weight += weight
-        for k, v in values.items():
-            self.sums[k] += float(v) * weight
-
-    def means(self) -> dict[str, float]:
-        return {k: v / max(self.weight, 1.0) for k, v in self.sums.items()}
-
+__all__ = ["DataParallelPPOActor"]
 
 # --------------------------------------------------------------------------------------------
 # The actor
@@ -218,26 +54,30 @@ class TokenWeightedMeans:
 class DataParallelPPOActor:
     """PPO actor over a (possibly FSDP2-wrapped) HF causal LM.
 
-    config: the `actor_rollout_ref.actor` node (dict or DictConfig) with ppo_mini_batch_size and
-    ppo_micro_batch_size_per_gpu already normalized to trajectories per rank; optional
-    `use_remove_padding` (the worker copies it from model config). dp_group: the data-parallel
-    process group for loss counts and micro-batch counts (None = the default group).
+    config: the typed `actor_rollout_ref.actor` section (`ActorConfig`, or a mapping of its keys;
+    absent keys take the YAML defaults), with ppo_mini_batch_size and ppo_micro_batch_size_per_gpu
+    already normalized to trajectories per rank. use_remove_padding: packed sequences (the worker
+    passes `model.use_remove_padding`). shuffle_seed: seeds the mini-batch shuffle (actor.shuffle).
+    dp_group: the data-parallel process group for loss counts and micro-batch counts (None = the
+    default group). The reference policy is this class too, with the default ActorConfig: it only
+    runs compute_log_prob, whose micro-batch sizes come from meta_info.
     """
 
-    def __init__(self, config: Any, actor_module: torch.nn.Module, actor_optimizer=None, *, dp_group=None):
-        self.config = config
+    def __init__(self, config: ActorConfig | Mapping | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
+                 use_remove_padding: bool = False, shuffle_seed: int = 0, dp_group=None):
+        self.config: ActorConfig = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         self.dp_group = dp_group
-        self.use_remove_padding = bool(cfg_get(config, "use_remove_padding", False))
+        self.use_remove_padding = bool(use_remove_padding)
         if self.use_remove_padding:
             ok, why = packing_supported(actor_module)
             if not ok:
-                _warn_once("actor_pack", f"use_remove_padding disabled: {why}; using padded batches")
+                warn_once("actor_pack", f"use_remove_padding disabled: {why}; using padded batches")
                 self.use_remove_padding = False
-        self._shuffle_gen = torch.Generator().manual_seed(int(cfg_get(config, "shuffle_seed", 0)))
+        self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
         # the same rule normalize_config applies: a KL loss with weight 0 is off (no ref_log_prob read)
-        self.use_kl_loss = kl_term_active(cfg_get(config, "use_kl_loss", False), cfg_get(config, "kl_loss_coef", 0.0))
+        self.use_kl_loss = kl_term_active(self.config.use_kl_loss, self.config.kl_loss_coef)
 
     # -- forward ------------------------------------------------------------------------------
     def _forward_micro_batch(self, micro, temperature: float, calculate_entropy: bool = False,
@@ -274,12 +114,9 @@ class DataParallelPPOActor:
         if "temperature" not in meta:
             raise KeyError("compute_log_prob needs meta_info['temperature'] (the rollout temperature)")
         # meta_info wins; else the ref/rollout keys (log_prob_*), else the actor's ppo_* keys.
-        use_dynamic = meta.get("use_dynamic_bsz",
-                               cfg_get(c, "log_prob_use_dynamic_bsz", cfg_get(c, "use_dynamic_bsz", False)))
-        micro_size = meta.get("micro_batch_size") or cfg_get(c, "log_prob_micro_batch_size_per_gpu",
-                                                             cfg_get(c, "ppo_micro_batch_size_per_gpu"))
-        max_len = meta.get("max_token_len") or cfg_get(c, "log_prob_max_token_len_per_gpu",
-                                                       cfg_get(c, "ppo_max_token_len_per_gpu"))
+        use_dynamic = meta.get("use_dynamic_bsz", c.use_dynamic_bsz)
+        micro_size = meta.get("micro_batch_size") or c.ppo_micro_batch_size_per_gpu
+        max_len = meta.get("max_token_len") or c.ppo_max_token_len_per_gpu
         self.actor_module.eval()
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
         micro_batches, groups = split_micro_batches(batch, bool(use_dynamic), micro_size, max_len,
@@ -302,8 +139,8 @@ class DataParallelPPOActor:
 
     # -- update -------------------------------------------------------------------------------
     def _policy_loss_fn(self):
-        mode = cfg_get(cfg_get(self.config, "policy_loss", {}), "loss_mode", "vanilla")
-        if cfg_get(self.config, "enable_entropy_balanced_clipping", False):
+        mode = self.config.policy_loss.loss_mode
+        if self.config.enable_entropy_balanced_clipping:
             if mode not in ("vanilla", "entropy_balanced"):
                 raise ValueError(f"enable_entropy_balanced_clipping selects the 'entropy_balanced' loss but "
                                  f"policy_loss.loss_mode is {mode!r}; set one of them")
@@ -313,9 +150,9 @@ class DataParallelPPOActor:
     def _micro_loss(self, micro, temperature: float, agg: dict, policy_loss_fn) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch (already scaled to the mini-batch objective) and its metrics."""
         c = self.config
-        mode = cfg_get(c, "loss_agg_mode", "token-mean")
-        entropy_coeff = float(cfg_get(c, "entropy_coeff", 0.0))
-        aepo_adv = bool(cfg_get(c, "enable_entropy_balanced_advantage", False))
+        mode = c.loss_agg_mode
+        entropy_coeff = float(c.entropy_coeff)
+        aepo_adv = bool(c.enable_entropy_balanced_advantage)
         mask = micro["response_mask"]
         # [fix] H is computed whenever the AEPO advantage needs it, not only when entropy_coeff != 0.
         on_policy = "old_log_probs" not in micro.keys()
@@ -328,7 +165,7 @@ class DataParallelPPOActor:
         advantages = micro["advantages"]
         if aepo_adv:
             advantages = compute_entropy_aware_advantage(advantages, entropy.detach(), mask,
-                                                         alpha=float(cfg_get(c, "entropy_advantage_alpha", 0.2)))
+                                                         alpha=float(c.entropy_advantage_alpha))
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
             loss_agg_mode=mode, config=c, **agg)
@@ -341,9 +178,9 @@ class DataParallelPPOActor:
         if entropy_coeff != 0:
             loss = loss - entropy_coeff * agg_loss(entropy, mask, mode, **agg)
         if self.use_kl_loss:
-            kld = kl_penalty(log_prob, micro["ref_log_prob"], cfg_get(c, "kl_loss_type", "low_var_kl"))
+            kld = kl_penalty(log_prob, micro["ref_log_prob"], c.kl_loss_type)
             kl_loss = agg_loss(kld, mask, mode, **agg)
-            loss = loss + float(cfg_get(c, "kl_loss_coef", 0.0)) * kl_loss
+            loss = loss + float(c.kl_loss_coef) * kl_loss
             stats["kl_loss"] = kl_loss.item()
         return loss, stats
 
@@ -359,10 +196,10 @@ class DataParallelPPOActor:
             raise KeyError("update_policy needs meta_info['temperature'] (the rollout temperature)")
         temperature = float(data.meta_info["temperature"])
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "advantages"]
-        mini_size = int(cfg_get(c, "ppo_mini_batch_size", len(data)))
+        mini_size = int(c.ppo_mini_batch_size)
         if "old_log_probs" in data.batch.keys():
             keys.append("old_log_probs")
-        elif int(cfg_get(c, "ppo_epochs", 1)) != 1 or mini_size < len(data):
+        elif int(c.ppo_epochs) != 1 or mini_size < len(data):
             raise KeyError("update_policy needs 'old_log_probs' (compute_log_prob) unless the update is strictly "
                            f"on-policy: ppo_epochs=1 and one mini-batch (ppo_mini_batch_size {mini_size} >= "
                            f"{len(data)} rows)")
@@ -376,19 +213,19 @@ class DataParallelPPOActor:
             batch["response_mask"] = data.batch["response_mask"]
         else:  # verl fallback: every real response token counts
             batch["response_mask"] = batch["attention_mask"][:, -batch["responses"].shape[-1]:]
-        use_dynamic = bool(cfg_get(c, "use_dynamic_bsz", False))
+        use_dynamic = bool(c.use_dynamic_bsz)
         policy_loss_fn = self._policy_loss_fn()
         metrics: dict[str, list | float] = defaultdict(list)
         self.actor_module.train()
-        for _ in range(int(cfg_get(c, "ppo_epochs", 1))):
+        for _ in range(int(c.ppo_epochs)):
             epoch_batch = batch
-            if cfg_get(c, "shuffle", False):
+            if c.shuffle:
                 epoch_batch = batch[torch.randperm(batch.batch_size[0], generator=self._shuffle_gen)]
             for mini in epoch_batch.split(mini_size):
                 agg = global_loss_counts(mini["response_mask"], self.dp_group)
                 micro_batches, _ = split_micro_batches(
-                    mini, use_dynamic, cfg_get(c, "ppo_micro_batch_size_per_gpu"),
-                    cfg_get(c, "ppo_max_token_len_per_gpu"), dp_group=self.dp_group)
+                    mini, use_dynamic, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
+                    dp_group=self.dp_group)
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
                 for micro in micro_batches:
@@ -399,10 +236,10 @@ class DataParallelPPOActor:
                         sums["kl_loss"] += stats.pop("kl_loss")
                     means.add(micro["response_mask"].sum().item(), **stats)
                 grad_norm = clip_grad_and_step(self.actor_module, self.actor_optimizer,
-                                               cfg_get(c, "grad_clip", cfg_get(c, "max_grad_norm")), "actor")
+                                               c.grad_clip, "actor")
                 for k, v in {**sums, **means.means()}.items():
                     metrics[f"actor/{k}"].append(v)
                 metrics["actor/grad_norm"].append(grad_norm)
         if self.use_kl_loss:  # inactive KL loss: actor/kl_loss and actor/kl_coef are not logged
-            metrics["actor/kl_coef"] = float(cfg_get(c, "kl_loss_coef", 0.0))
+            metrics["actor/kl_coef"] = float(c.kl_loss_coef)
         return dict(metrics)

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any
+from typing import Mapping
 
 import torch
 
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
+from verl_arpo.utils.job_config import CriticConfig, from_mapping
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
-from verl_arpo.workers.actor.dp_actor import (
+from verl_arpo.workers.training_core import (
     TokenWeightedMeans,
-    cfg_get,
     clip_grad_and_step,
     global_loss_counts,
     maybe_reshard,
@@ -52,25 +52,24 @@ def _local_to_global(loss: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str,
 class DataParallelPPOCritic:
     """PPO critic over a (possibly FSDP2-wrapped) HF token-classification model (num_labels=1).
 
-    config: the `critic` node (dict or DictConfig): ppo_mini_batch_size and
-    ppo_micro_batch_size_per_gpu per rank, use_dynamic_bsz, ppo_max_token_len_per_gpu,
-    forward_max_token_len_per_gpu, ppo_epochs, shuffle, grad_clip, cliprange_value,
-    loss_agg_mode, use_remove_padding (or model.use_remove_padding).
+    config: the typed `critic` section (`CriticConfig`, or a mapping of its keys; absent keys take
+    the YAML defaults) with ppo_mini_batch_size and ppo_micro_batch_size_per_gpu per rank;
+    packing follows `model.use_remove_padding`. shuffle_seed seeds the mini-batch shuffle.
     """
 
-    def __init__(self, config: Any, critic_module: torch.nn.Module, critic_optimizer=None, *, dp_group=None):
-        self.config = config
+    def __init__(self, config: CriticConfig | Mapping | None, critic_module: torch.nn.Module, critic_optimizer=None,
+                 *, shuffle_seed: int = 0, dp_group=None):
+        self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.dp_group = dp_group
-        model_rmpad = cfg_get(cfg_get(config, "model", {}), "use_remove_padding", False)
-        self.use_remove_padding = bool(cfg_get(config, "use_remove_padding", model_rmpad))
+        self.use_remove_padding = bool(self.config.model.use_remove_padding)
         if self.use_remove_padding:
             ok, why = packing_supported(critic_module)
             if not ok:
                 warnings.warn(f"critic use_remove_padding disabled: {why}; using padded batches", stacklevel=2)
                 self.use_remove_padding = False
-        self._shuffle_gen = torch.Generator().manual_seed(int(cfg_get(config, "shuffle_seed", 0)))
+        self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
 
     def _forward_micro_batch(self, micro) -> torch.Tensor:
         """V at the response slots [B, R] (0 at slots without a real token)."""
@@ -81,15 +80,13 @@ class DataParallelPPOCritic:
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R] × response_mask, in the input row order.
 
-        meta_info (else config): micro_batch_size (forward_micro_batch_size_per_gpu /
-        ppo_micro_batch_size_per_gpu), use_dynamic_bsz, max_token_len (forward_max_token_len_per_gpu).
+        meta_info (else config): micro_batch_size (ppo_micro_batch_size_per_gpu), use_dynamic_bsz,
+        max_token_len (forward_max_token_len_per_gpu).
         """
         c, meta = self.config, data.meta_info
-        use_dynamic = bool(meta.get("use_dynamic_bsz", cfg_get(c, "use_dynamic_bsz", False)))
-        micro_size = meta.get("micro_batch_size") or cfg_get(c, "forward_micro_batch_size_per_gpu",
-                                                             cfg_get(c, "ppo_micro_batch_size_per_gpu"))
-        max_len = meta.get("max_token_len") or cfg_get(c, "forward_max_token_len_per_gpu",
-                                                       cfg_get(c, "ppo_max_token_len_per_gpu"))
+        use_dynamic = bool(meta.get("use_dynamic_bsz", c.use_dynamic_bsz))
+        micro_size = meta.get("micro_batch_size") or c.ppo_micro_batch_size_per_gpu
+        max_len = meta.get("max_token_len") or c.forward_max_token_len_per_gpu
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
         micro_batches, groups = split_micro_batches(batch, use_dynamic, micro_size, max_len, dp_group=self.dp_group)
         self.critic_module.eval()
@@ -117,19 +114,19 @@ class DataParallelPPOCritic:
         r = batch["responses"].shape[-1]
         batch["response_mask"] = (data.batch["response_mask"] if "response_mask" in data.batch.keys()
                                   else batch["attention_mask"][:, -r:])
-        mode = cfg_get(c, "loss_agg_mode", "token-mean")
-        cliprange_value = float(cfg_get(c, "cliprange_value", 0.5))
-        use_dynamic = bool(cfg_get(c, "use_dynamic_bsz", False))
+        mode = c.loss_agg_mode
+        cliprange_value = float(c.cliprange_value)
+        use_dynamic = bool(c.use_dynamic_bsz)
         metrics: dict[str, list] = defaultdict(list)
         self.critic_module.train()
-        for _ in range(int(cfg_get(c, "ppo_epochs", 1))):
+        for _ in range(int(c.ppo_epochs)):
             epoch_batch = batch
-            if cfg_get(c, "shuffle", False):
+            if c.shuffle:
                 epoch_batch = batch[torch.randperm(batch.batch_size[0], generator=self._shuffle_gen)]
-            for mini in epoch_batch.split(int(cfg_get(c, "ppo_mini_batch_size", len(data)))):
+            for mini in epoch_batch.split(int(c.ppo_mini_batch_size)):
                 agg = global_loss_counts(mini["response_mask"], self.dp_group)
-                micro_batches, _ = split_micro_batches(mini, use_dynamic, cfg_get(c, "ppo_micro_batch_size_per_gpu"),
-                                                       cfg_get(c, "ppo_max_token_len_per_gpu"), dp_group=self.dp_group)
+                micro_batches, _ = split_micro_batches(mini, use_dynamic, c.ppo_micro_batch_size_per_gpu,
+                                                       c.ppo_max_token_len_per_gpu, dp_group=self.dp_group)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 means, vf_total = TokenWeightedMeans(), 0.0
                 for micro in micro_batches:
@@ -143,7 +140,7 @@ class DataParallelPPOCritic:
                     n = mask.sum().clamp(min=1)
                     means.add(mask.sum().item(), vf_clipfrac=clipfrac.item(),
                               vpred_mean=((vpreds.detach() * mask).sum() / n).item())
-                grad_norm = clip_grad_and_step(self.critic_module, self.critic_optimizer, cfg_get(c, "grad_clip"),
+                grad_norm = clip_grad_and_step(self.critic_module, self.critic_optimizer, c.grad_clip,
                                                "critic")
                 metrics["critic/vf_loss"].append(vf_total)
                 for k, v in means.means().items():

@@ -28,6 +28,7 @@ counted in a metric instead of hidden.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -43,6 +44,10 @@ from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
 from verl_arpo.workers.rollout.tool_text import extract_tool_call, fit_tool_result
 
 EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
+
+
+def _as_dict(value: Any) -> dict:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
 
 
 @dataclass
@@ -96,7 +101,7 @@ class RolloutConfig:
         """Build from a dict / OmegaConf node, ignoring keys this loop does not use."""
         get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
         kwargs = {f.name: get(f.name, None) for f in fields(cls)}
-        kwargs = {k: (dict(v) if k == "val_kwargs" else v) for k, v in kwargs.items() if v is not None}
+        kwargs = {k: (_as_dict(v) if k == "val_kwargs" else v) for k, v in kwargs.items() if v is not None}
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -182,8 +187,8 @@ class AgentLoop:
             if cfg.max_rounds is not None and round_idx >= cfg.max_rounds:
                 break
             active = [t for g in groups for t in g if not t.done]
-            self._run_round(active, sampling, rng, round_idx)
-            gained = self._branch(groups, rule, rng, consecutive, round_idx, n)
+            self._run_round(active, sampling, rng)
+            gained = self._branch(groups, rule, rng, consecutive, n)
             gained = [g or self._refill(groups[i], prompt_ids[i], n) for i, g in enumerate(gained)]
             consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
             round_idx += 1
@@ -235,7 +240,7 @@ class AgentLoop:
 
     # ---------------------------------------------------------------------------------------
     def _run_round(self, active: list[Trajectory], sampling: SamplingParams, rng: np.random.Generator,
-                   round_idx: int, max_new: int | None = None, tools: bool = True) -> None:
+                   max_new: int | None = None, tools: bool = True) -> None:
         """One generation round for `active`, then their tool calls (steps 2–3)."""
         cfg = self.cfg
         requests = [GenRequest(request_id=t.traj_id, prompt_ids=t.prompt_ids + t.response_ids,
@@ -288,7 +293,7 @@ class AgentLoop:
 
     # ---------------------------------------------------------------------------------------
     def _branch(self, groups: list[list[Trajectory]], rule: str, rng: np.random.Generator,
-                consecutive: list[int], round_idx: int, n: int) -> list[bool]:
+                consecutive: list[int], n: int) -> list[bool]:
         """Step 4: draws for every active trajectory of every prompt with free slots."""
         cfg = self.cfg
         decide = branching.get_branch_rule(rule)
@@ -318,11 +323,11 @@ class AgentLoop:
         """AEPO step 1: m_i from H_root (a short generation) and H̄ (one full tool-using rollout)."""
         cfg = self.cfg
         short = [self._new_traj(i, ids, prefix="pm-root-") for i, ids in enumerate(prompt_ids)]
-        self._run_round(short, sampling, rng, 0, max_new=cfg.initial_entropy_tokens, tools=False)
+        self._run_round(short, sampling, rng, max_new=cfg.initial_entropy_tokens, tools=False)
         full = [self._new_traj(i, ids, prefix="pm-full-") for i, ids in enumerate(prompt_ids)]
         round_idx = 0
         while any(not t.done for t in full) and (cfg.max_rounds is None or round_idx < cfg.max_rounds):
-            self._run_round([t for t in full if not t.done], sampling, rng, round_idx)
+            self._run_round([t for t in full if not t.done], sampling, rng)
             round_idx += 1
         budgets = []
         for root, traj in zip(short, full):

@@ -59,10 +59,6 @@ class BaseTool:
     def close(self) -> None:
         """Release resources (flush caches, stop threads). Safe to call twice."""
 
-    @property
-    def stop_string(self) -> str:
-        return f"</{self.trigger_tag}>"
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tag={self.trigger_tag!r})"
 

@@ -1,0 +1,78 @@
+"""The shared training mechanics (verl_arpo/workers/training_core.py) against plain references:
+the learning-rate schedule, the guarded optimizer step, and SFT using the very same pieces."""
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.workers.training_core import (attn_implementation, build_adamw, build_lr_scheduler,
+                                             clip_grad_and_step, fsdp_mixed_precision)
+
+
+def reference_factor(step, total, warmup, style, floor):
+    """The schedule written out: linear warmup to 1 over `warmup` steps, then constant or cosine."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if style == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
+
+
+@pytest.mark.parametrize("style", ["constant", "cosine"])
+@pytest.mark.parametrize("warmup_steps,ratio", [(-1, 0.2), (3, 0.0), (-1, 0.0)])
+def test_lr_schedule_matches_the_formula(style, warmup_steps, ratio):
+    total, floor, lr = 10, 0.1, 0.5
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = build_adamw([param], OptimConfig(lr=lr))
+    sched = build_lr_scheduler(opt, OptimConfig(lr=lr, lr_warmup_steps=warmup_steps, lr_warmup_steps_ratio=ratio,
+                                                warmup_style=style, min_lr_ratio=floor), total)
+    warmup = warmup_steps if warmup_steps >= 0 else int(ratio * total)
+    for step in range(total + 2):
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr * reference_factor(step, total, warmup, style, floor))
+        opt.step()
+        sched.step()
+
+
+def test_sft_reads_its_keys_into_the_same_schedule():
+    from verl_arpo.trainer.main_sft import load_config, optim_config
+
+    cfg = load_config(["model.partial_pretrain=/m", "optim.lr=0.01", "optim.warmup_steps_ratio=0.25", "optim.lr_scheduler=cosine",
+                       "optim.min_lr_ratio=0.2", "optim.weight_decay=0.0"])
+    oc = optim_config(cfg.optim)
+    assert (oc.lr, oc.lr_warmup_steps_ratio, oc.warmup_style, oc.min_lr_ratio, oc.weight_decay) == (0.01, 0.25, "cosine",
+                                                                                                   0.2, 0.0)
+    assert oc.betas == tuple(OmegaConf.to_container(cfg.optim.betas))
+
+
+def test_guarded_step_clips_and_skips_non_finite():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    layer(torch.randn(4, 3)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    before = [p.detach().clone() for p in layer.parameters()]
+    assert clip_grad_and_step(layer, opt, 0.5, "test") == pytest.approx(norm, rel=1e-5)
+    for p, b, g in zip(layer.parameters(), before, grads):  # SGD with lr 1: p = b − g·(0.5 / norm)
+        torch.testing.assert_close(p.detach(), b - g * (0.5 / norm), rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in layer.parameters())
+    layer(torch.randn(4, 3)).sum().backward()
+    layer.weight.grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in layer.parameters()]
+    with pytest.warns(UserWarning, match="skipping this optimizer step"):
+        assert math.isnan(clip_grad_and_step(layer, opt, 1.0, "test"))
+    for p, b in zip(layer.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+def test_precision_and_attention_defaults():
+    assert fsdp_mixed_precision(None, "cpu") is None  # fp32 on CPU unless asked
+    mp = fsdp_mixed_precision(None, "cuda")
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    mp = fsdp_mixed_precision({"param_dtype": "float16"}, "cpu")
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.float16, torch.float32)
+    assert attn_implementation("eager") == "eager"
+    assert attn_implementation(None) == ("sdpa" if not torch.cuda.is_available() else attn_implementation(None))

@@ -1,0 +1,273 @@
+"""The training mechanics every trainer here shares: the PPO actor, the critic and SFT (docs/algorithms.md,
+"The policy loss shared by all of them").
+
+    attn_implementation     the attention backend for a model (flash_attention_2 on CUDA when installed)
+    shard_fsdp2             FSDP2 `fully_shard` of every decoder layer (the model's _no_split_modules), then the root
+    fsdp_mixed_precision    the FSDP2 precision policy: bf16 params / fp32 reduce on CUDA by default, none on CPU
+    build_adamw, build_lr_scheduler, move_optimizer_state
+    clip_grad_and_step      clip the global gradient norm, step, skip the step on a non-finite norm
+    maybe_reshard           free the unsharded parameters FSDP2 keeps after a no_grad forward
+    response_forward, unpack, packing_supported   logits at the response slots, padded or packed
+    global_loss_counts, TokenWeightedMeans        the mini-batch normalisation and metric means
+
+use_remove_padding (packed sequences). The valid tokens of all rows are concatenated into one row
+with position_ids restarting at 0 and attention_mask=None. transformers (checked in 5.19:
+masking_utils.find_packed_sequence_indices, called by create_causal_mask) infers the sequence
+boundaries from the position_ids and builds a block-diagonal causal mask for sdpa, eager and flex
+attention; flash_attention_2/3 take the varlen path from the same position_ids. So packing works
+on CPU with sdpa and equals the padded forward (tests check this). The transformers docs recommend
+flash attention for packing, and for a reason: with sdpa the packed row gets a dense N×N mask (N =
+valid tokens of the micro-batch), so packing saves the MLP/lm-head work on padding, but attention
+then costs N² instead of B·S² (more whenever N > S·√B) plus N² mask memory. On CPU it pays only
+for very unequal row lengths; on GPU use flash_attention_2. Other attention backends (custom
+kernels without that mask logic) fall back to padded batches with a one-time warning, as do rows
+whose position_ids do not run 0..L−1.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from verl_arpo.utils.job_config import OptimConfig
+
+__all__ = ["attn_implementation", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
+           "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
+           "packing_supported", "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
+
+
+# --------------------------------------------------------------------------------------------
+# Model building and sharding
+# --------------------------------------------------------------------------------------------
+def attn_implementation(requested: str | None) -> str:
+    """flash_attention_2 when requested/installed on CUDA, else sdpa."""
+    if requested:
+        return requested
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def fsdp_mixed_precision(mixed_precision: dict | None, device_type: str):
+    """The FSDP2 MixedPrecisionPolicy: `mixed_precision` ({param_dtype, reduce_dtype}, each optional), or
+    on CUDA bf16 params with fp32 gradient reduction; None (plain fp32) on CPU without a setting."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device_type != "cuda" and not mixed_precision:
+        return None
+    mp = mixed_precision or {}
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, mp.get("param_dtype", "bfloat16")),
+                                reduce_dtype=getattr(torch, mp.get("reduce_dtype", "float32")))
+
+
+def shard_fsdp2(model: torch.nn.Module, mesh, *, mp_policy=None, reshard_after_forward: bool = True,
+                cpu_offload: bool = False, train: bool = True) -> torch.nn.Module:
+    """`fully_shard` each decoder layer (the classes in the model's `_no_split_modules`), then the root
+    (tied embeddings stay in the root's group). A frozen model (`train=False`) gets requires_grad off."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=bool(reshard_after_forward))
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_names:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    if not train:
+        model.requires_grad_(False)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer, schedule, step
+# --------------------------------------------------------------------------------------------
+def build_adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the parameters that train (requires_grad)."""
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=float(optim.lr), betas=tuple(optim.betas),
+                             weight_decay=float(optim.weight_decay))
+
+
+def move_optimizer_state(optimizer, device: str) -> None:
+    """Move AdamW moments between the accelerator and host memory (optimizer_offload on GPU)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def build_lr_scheduler(optimizer, optim_cfg: OptimConfig, total_steps: int):
+    """Linear warmup, then constant or cosine (to min_lr_ratio·lr)."""
+    total = max(1, int(total_steps or 1))
+    warmup = int(optim_cfg.lr_warmup_steps or -1)
+    if warmup < 0:
+        warmup = int(float(optim_cfg.lr_warmup_steps_ratio or 0.0) * total)
+    style = optim_cfg.warmup_style
+    floor = float(optim_cfg.min_lr_ratio or 0.0)
+    if style not in ("constant", "cosine"):
+        raise ValueError(f"unknown optim.warmup_style {style!r}; accepted: ['constant', 'cosine']")
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        if style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Response forward, loss normalisation, metrics
+# --------------------------------------------------------------------------------------------
+# Attention backends whose transformers mask/varlen logic detects packed rows from position_ids.
+PACKING_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+_warned: set[str] = set()
+
+
+def warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
+def packing_supported(module: torch.nn.Module) -> tuple[bool, str]:
+    """Whether packed rows (attention_mask=None, restarting position_ids) are masked correctly."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a hard dependency
+        return False, "transformers is not importable"
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return False, "this transformers version does not infer packed sequences from position_ids"
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if attn not in PACKING_ATTN_IMPLEMENTATIONS:
+        return False, f"attn_implementation {attn!r} does not separate packed sequences"
+    return True, ""
+
+
+def _pack(micro, response_length: int) -> dict | None:
+    """Flatten the valid tokens of a padded micro-batch into one packed row.
+
+    Returns input_ids/position_ids [1, N], `keep` [B, R] (response slot holds a real token) and
+    `keep_idx` [K] (packed index of the token *before* each kept response token, whose logits
+    score it); None when a row's position_ids are not 0..L−1 (boundaries would be ambiguous).
+    """
+    mask = micro["attention_mask"].bool()
+    pos = micro["position_ids"]
+    expected = mask.long().cumsum(-1) - 1
+    if not torch.equal(pos[mask], expected[mask]):
+        return None
+    flat_index = (mask.flatten().long().cumsum(0) - 1).view(mask.shape)
+    s, r = mask.shape[1], response_length
+    keep = mask[:, s - r:]
+    keep_idx = flat_index[:, s - r - 1:s - 1][keep]
+    return dict(input_ids=micro["input_ids"][mask].unsqueeze(0), position_ids=pos[mask].unsqueeze(0),
+                keep=keep, keep_idx=keep_idx)
+
+
+def response_forward(module: torch.nn.Module, micro, response_length: int, use_remove_padding: bool,
+                     causal_lm: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Run `module` and return the logits that score the response slots.
+
+    Returns (logits, keep, packed): padded → logits [B, R, C] for positions −R−1:−1; packed →
+    logits [K, C] for the kept slots only (scatter back with `unpack`). keep [B, R] marks response
+    slots holding real tokens (attention_mask); outputs at other slots are set to 0 by callers.
+    `causal_lm` asks the model for only the needed logits (`logits_to_keep`), which a token
+    classification head does not accept.
+    """
+    r = response_length
+    packed = _pack(micro, r) if use_remove_padding else None
+    if use_remove_padding and packed is None:
+        warn_once("pos", "use_remove_padding: position_ids are not 0..L-1 per row; using padded batches")
+    if packed is not None:
+        extra = {"logits_to_keep": packed["keep_idx"]} if causal_lm else {}
+        out = module(input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=None,
+                     use_cache=False, **extra)
+        logits = out.logits[0] if causal_lm else out.logits[0, packed["keep_idx"]]
+        return logits, packed["keep"], True
+    s = micro["input_ids"].shape[1]
+    extra = {"logits_to_keep": r + 1} if causal_lm else {}
+    out = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                 position_ids=micro["position_ids"], use_cache=False, **extra)
+    logits = out.logits[:, -r - 1:-1] if causal_lm else out.logits[:, s - r - 1:s - 1]
+    return logits, micro["attention_mask"][:, s - r:].bool(), False
+
+
+def unpack(values: torch.Tensor, keep: torch.Tensor, packed: bool) -> torch.Tensor:
+    """[K] packed or [B, R] padded per-slot values → [B, R], zero where `keep` is False."""
+    if packed:
+        out = values.new_zeros(keep.shape)
+        return out.masked_scatter(keep, values)
+    return values * keep.to(values.dtype)
+
+
+def maybe_reshard(module: torch.nn.Module) -> None:
+    """FSDP2 leaves the root unsharded after a no_grad forward; reshard so the next
+    state-dict/weight-sync sees sharded parameters and the memory is freed."""
+    if hasattr(module, "reshard"):
+        module.reshard()
+
+
+def _dp_size(dp_group) -> int:
+    return dist.get_world_size(dp_group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def global_loss_counts(response_mask: torch.Tensor, dp_group=None) -> dict:
+    """agg_loss kwargs for one mini-batch: valid tokens and valid sequences summed over the
+    data-parallel group (when torch.distributed is initialized), and dp_size."""
+    counts = torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]).to(torch.float64)
+    dp_size = _dp_size(dp_group)
+    if dp_size > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
+    return dict(dp_size=dp_size, batch_num_tokens=counts[0].item(), global_batch_size=counts[1].item())
+
+
+def clip_grad_and_step(module: torch.nn.Module, optimizer, grad_clip: float | None, name: str) -> float:
+    """Clip the global gradient norm and step; skip the step (with a warning) on a non-finite norm.
+
+    torch.nn.utils.clip_grad_norm_ works on FSDP2 DTensor gradients: the norm comes back as a
+    DTensor with a partial placement, whose `full_tensor()` is the global norm (identical on every
+    rank, so every rank makes the same skip decision). Returns the norm before clipping.
+    """
+    max_norm = float(grad_clip) if grad_clip is not None and grad_clip > 0 else math.inf
+    params = [p for p in module.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    norm = float(grad_norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    else:
+        warnings.warn(f"{name}: grad_norm is {norm}; skipping this optimizer step", stacklevel=2)
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+class TokenWeightedMeans:
+    """Token-weighted running means of micro-batch metrics → exact mini-batch masked means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weight = 0.0
+
+    def add(self, weight: float, **values: float) -> None:
+        self.weight += weight
+        for k, v in values.items():
+            self.sums[k] += float(v) * weight
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(self.weight, 1.0) for k, v in self.sums.items()}
