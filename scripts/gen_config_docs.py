@@ -186,8 +186,10 @@ python -m verl_arpo.trainer.main_ppo --config-name=cpu_tiny actor_rollout_ref.mo
   `--config-path=<dir>` another config folder.
 - `--cfg job` prints the composed config and runs nothing; a real run prints it (secrets masked)
   and validates it before Ray starts, naming every bad key at once.
-- Keys not in the file need a `+` (`+data.system_prompt_override="..."`); `++` sets a key whether or
-  not it exists. An unknown key without `+` is an error (the config is in struct mode).
+- An unknown key is an error naming it (the config is in struct mode, and the trainer builds the
+  typed config of `verl_arpo/utils/job_config.py` from it). Only the free-form maps take new keys
+  with `+` (`++` sets a key whether or not it exists): tool `params`, `ray_init.runtime_env`,
+  `model.override_config`, `custom_reward_function.reward_kwargs`.
 - `???` marks a required value, `${a.b}` copies another key, `null` is Python's None.
 - Lists: `trainer.logger=[console,wandb]` (the quoted string `"[console, wandb]"` of the ARPO
   scripts also works).

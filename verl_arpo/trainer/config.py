@@ -25,7 +25,8 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that solves problems with two tools. To run Python, write code "

@@ -31,7 +31,8 @@ import dataclasses
 import functools
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 __all__ = ["ConfigError", "JobConfig", "Derived", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
            "RolloutSection", "CriticConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig", "FSDPConfig",
@@ -80,6 +81,7 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     truncation: str = "error"
     dataloader_num_workers: int = 0
+    system_prompt_override: str | None = None
 
 
 @dataclass(frozen=True)
@@ -264,15 +266,6 @@ class ActorRolloutRefConfig:
 
 
 @dataclass(frozen=True)
-class CriticFSDPConfig:
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    reshard_after_forward: bool = True
-    fsdp_size: int = -1
-    mixed_precision: dict | None = None
-
-
-@dataclass(frozen=True)
 class CriticModelConfig:
     path: str | None = None  # ${actor_rollout_ref.model.path}
     tokenizer_path: str | None = None  # ${actor_rollout_ref.model.path}
@@ -281,7 +274,7 @@ class CriticModelConfig:
     use_remove_padding: bool = False
     trust_remote_code: bool = False
     attn_implementation: str | None = None
-    fsdp_config: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass(frozen=True)

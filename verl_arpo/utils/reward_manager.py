@@ -43,7 +43,8 @@ import pickle
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ __all__ = ["NaiveRewardManager", "load_custom_reward_function", "get_custom_rewa
 
 logger = logging.getLogger(__name__)
 
-REWARD_MANAGER_REGISTRY: Dict[str, type] = {}
+REWARD_MANAGER_REGISTRY: dict[str, type] = {}
 
 
 def register_reward_manager(name: str) -> Callable[[type], type]:
@@ -85,7 +86,7 @@ def _job(config: Any) -> JobConfig:
     return config if isinstance(config, JobConfig) else JobConfig.from_mapping(config)
 
 
-def get_custom_reward_fn(config: Any) -> Optional[CustomRewardFunction]:
+def get_custom_reward_fn(config: Any) -> CustomRewardFunction | None:
     """verl's entry point: `config.custom_reward_function.{path,name,reward_kwargs}` -> function.
 
     Returns None when no path is set (the manager then uses `default_compute_score`).
@@ -96,7 +97,7 @@ def get_custom_reward_fn(config: Any) -> Optional[CustomRewardFunction]:
     return load_custom_reward_function(section.path, section.name or "compute_score", dict(section.reward_kwargs or {}))
 
 
-def _score_and_extras(result: Any, index: int) -> Tuple[float, Dict[str, Any]]:
+def _score_and_extras(result: Any, index: int) -> tuple[float, dict[str, Any]]:
     if isinstance(result, dict):
         if "score" not in result:
             raise TypeError(f"compute_score returned a dict without 'score' for sample {index}: {sorted(result)}")
@@ -123,8 +124,8 @@ class NaiveRewardManager:
         mp_start_method: multiprocessing start method of the pool ("spawn", "forkserver", "fork").
     """
 
-    def __init__(self, tokenizer: Any, num_examine: int = 0, compute_score: Optional[Callable] = None,
-                 reward_fn_key: str = "data_source", num_workers: Optional[int] = None,
+    def __init__(self, tokenizer: Any, num_examine: int = 0, compute_score: Callable | None = None,
+                 reward_fn_key: str = "data_source", num_workers: int | None = None,
                  parallel_threshold: int = 256, mp_start_method: str = "spawn", **unused: Any):
         self.tokenizer = tokenizer
         self.num_examine = int(num_examine)
@@ -133,8 +134,8 @@ class NaiveRewardManager:
         self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
         self.parallel_threshold = int(parallel_threshold)
         self.mp_start_method = mp_start_method
-        self._pool: Optional[ProcessPoolExecutor] = None
-        self._picklable: Optional[bool] = None
+        self._pool: ProcessPoolExecutor | None = None
+        self._picklable: bool | None = None
         if unused:
             logger.info("NaiveRewardManager ignores arguments %s", sorted(unused))
 
@@ -171,13 +172,13 @@ class NaiveRewardManager:
         except Exception:
             pass
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_pool"] = None
         return state
 
     # -- scoring -----------------------------------------------------------------------------------
-    def score_all(self, items: List[Tuple[int, Any, str, Any, Any]]) -> List[Any]:
+    def score_all(self, items: list[tuple[int, Any, str, Any, Any]]) -> list[Any]:
         """Score (index, data_source, solution_str, ground_truth, extra_info) tuples, in order."""
         if not self._can_parallelize(len(items)):
             return score_items(self.compute_score, items)
@@ -254,14 +255,14 @@ class NaiveRewardManager:
 
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         positions = self.score_positions(data).tolist()
-        per_row: List[Dict[str, Any]] = []
+        per_row: list[dict[str, Any]] = []
         for i, result in enumerate(results):
             score, extras = _score_and_extras(result, i)
             if positions[i] >= 0:  # else nothing the model sampled can carry it (counted below)
                 reward_tensor[i, positions[i]] = score
             per_row.append(extras)
         keys = [k for row in per_row for k in row]
-        reward_extra_info: Dict[str, List[Any]] = {k: [row.get(k) for row in per_row] for k in dict.fromkeys(keys)}
+        reward_extra_info: dict[str, list[Any]] = {k: [row.get(k) for row in per_row] for k in dict.fromkeys(keys)}
         self._examine(data, items, results, lengths)
         if return_dict:
             unplaced = sum(p < 0 for p in positions)
@@ -269,10 +270,10 @@ class NaiveRewardManager:
                     "reward_metrics": {"reward/rows_without_sampled_token": float(unplaced)}}
         return reward_tensor
 
-    def _examine(self, data: Any, items: List[Tuple], results: List[Any], lengths: List[int]) -> None:
+    def _examine(self, data: Any, items: list[tuple], results: list[Any], lengths: list[int]) -> None:
         if self.num_examine <= 0:
             return
-        shown: Dict[str, int] = defaultdict(int)
+        shown: dict[str, int] = defaultdict(int)
         prompts = data.batch["prompts"] if "prompts" in data.batch.keys() else None
         for (i, source, text, truth, _), result in zip(items, results):
             if shown[str(source)] >= self.num_examine:

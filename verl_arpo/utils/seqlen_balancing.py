@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

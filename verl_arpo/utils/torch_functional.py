@@ -8,7 +8,7 @@ micro-batch then contributes nothing instead of crashing a data-parallel step).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F

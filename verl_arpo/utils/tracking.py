@@ -28,7 +28,8 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, TextIO
+from collections.abc import Mapping, Sequence
 
 from verl_arpo.trainer.config import LOGGER_BACKENDS, mask_secrets, mask_text, parse_logger
 

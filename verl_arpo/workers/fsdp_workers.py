@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class _FSDPModelMixin:
-    """Loading and sharding shared by the actor/ref and the critic."""
+    """Sharding and checkpoint saving shared by the actor/ref and the critic workers."""
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -41,6 +41,10 @@ class _FSDPModelMixin:
         if not hasattr(self, "_device_mesh"):
             self._device_mesh = init_device_mesh(self.device_name, (torch.distributed.get_world_size(),))
         return self._device_mesh
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0):
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
 
     def _shard(self, model, fsdp_cfg, train: bool):
         return shard_fsdp2(model, self._mesh(), mp_policy=fsdp_mixed_precision(fsdp_cfg.mixed_precision, self.device_name),
@@ -228,10 +232,6 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0):
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str):
         self.checkpoint_manager.load_checkpoint(local_path)
         self._sync_rollout_weights()
@@ -294,10 +294,6 @@ class CriticWorker(Worker, _FSDPModelMixin):
         self.lr_scheduler.step()
         metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
         return DataProto(meta_info={"metrics": metrics})
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0):
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -17,7 +17,8 @@ No config objects are required and there is no global state besides the registri
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -409,14 +410,17 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: ½·agg(max((V−R)², (clip(V, V_old−c, V_old+c) − R)²)).
-    Returns (vf_loss, vf_clipfrac = mean_m[clipped term larger])."""
+    `agg_kwargs` (dp_size, batch_num_tokens, global_batch_size) go to `agg_loss`, as for the policy
+    loss: a data-parallel critic passes the mini-batch's global counts and gets its share of the
+    mini-batch objective. Returns (vf_loss, vf_clipfrac = mean_m[clipped term larger])."""
     check_same_shape(vpreds=vpreds, returns=returns, values=values, response_mask=response_mask)
     vclipped = clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
     l1 = (vpreds - returns) ** 2
     l2 = (vclipped - returns) ** 2
-    vf_loss = 0.5 * agg_loss(torch.maximum(l1, l2), response_mask, loss_agg_mode)
+    vf_loss = 0.5 * agg_loss(torch.maximum(l1, l2), response_mask, loss_agg_mode, **agg_kwargs)
     vf_clipfrac = masked_mean(torch.gt(l2, l1).float(), response_mask)
     return vf_loss, vf_clipfrac
 

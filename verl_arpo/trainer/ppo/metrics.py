@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from contextlib import contextmanager
 from time import perf_counter
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -64,18 +65,18 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def collate_fn(items: List[Dict[str, Any]]) -> Dict[str, Any]:
+def collate_fn(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack tensors; put every other field into a 1-D numpy object array (one entry per item)."""
     if not items:
         raise ValueError("collate_fn: empty batch")
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key in items[0]:
         values = [item[key] for item in items]
         out[key] = torch.stack(values) if isinstance(values[0], torch.Tensor) else _object_array(values)
     return out
 
 
-def _records(table) -> tuple[List[Dict[str, Any]], Dict[int, tuple]]:
+def _records(table) -> tuple[list[dict[str, Any]], dict[int, tuple]]:
     """(row dicts, {row: (field, reason)} for rows holding a string cell that is not UTF-8).
 
     [reliability, issue 9] parquet files written by other tools can hold bytes that are not UTF-8
@@ -126,11 +127,11 @@ class RLHFDataset(Dataset):
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         if self.max_prompt_length <= 0:
             raise ValueError(f"data.max_prompt_length must be positive, got {self.max_prompt_length}")
-        self.stats: Dict[str, int] = {"rows_read": 0, "rows_skipped": 0, "overlong_dropped": 0,
+        self.stats: dict[str, int] = {"rows_read": 0, "rows_skipped": 0, "overlong_dropped": 0,
                                       "backspace_repairs": 0, "rows": 0}
-        self.skipped: List[tuple] = []
-        self.rows: List[Dict[str, Any]] = []
-        self._token_ids: Optional[List[List[int]]] = None
+        self.skipped: list[tuple] = []
+        self.rows: list[dict[str, Any]] = []
+        self._token_ids: list[list[int]] | None = None
         for path in self.data_files:
             self._load_file(path)
         if not self.rows:
@@ -179,7 +180,7 @@ class RLHFDataset(Dataset):
             logger.info("RLHFDataset: %s: repaired %d backspace defects (U+0008 'oxed' -> '\\boxed')",
                         path, repairs_here)
 
-    def _encode(self, messages: List[Dict[str, str]]) -> List[int]:
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -204,7 +205,7 @@ class RLHFDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _truncate(self, ids: List[int], row: Dict[str, Any]) -> List[int]:
+    def _truncate(self, ids: list[int], row: dict[str, Any]) -> list[int]:
         limit = self.max_prompt_length
         if len(ids) <= limit:
             return ids
@@ -217,7 +218,7 @@ class RLHFDataset(Dataset):
             f"max_prompt_length={limit}; set data.truncation=left|right or data.filter_overlong_prompts=True"
         )
 
-    def __getitem__(self, index: int) -> Dict[str, Any]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.rows[index]
         ids = self._token_ids[index] if self._token_ids is not None else self._encode(row["messages"])
         ids = self._truncate(ids, row)

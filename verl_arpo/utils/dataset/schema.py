@@ -21,24 +21,24 @@ returns how many it repaired. Only this defect is repaired; other escape acciden
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 __all__ = ["normalize_row", "repair_backspace", "apply_system_prompt", "RowError"]
 
 BACKSPACE_DEFECT = "\x08oxed"
 BACKSPACE_FIX = "\\boxed"
 
-RowError = Tuple[str, str]  # (field, reason)
+RowError = tuple[str, str]  # (field, reason)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def repair_backspace(text: str) -> Tuple[str, int]:
+def repair_backspace(text: str) -> tuple[str, int]:
     """Replace every U+0008 + "oxed" by "\\boxed"; return (text, number of repairs)."""
     count = text.count(BACKSPACE_DEFECT)
     return (text.replace(BACKSPACE_DEFECT, BACKSPACE_FIX), count) if count else (text, 0)
 
 
-def _as_text(value: Any, field: str) -> Tuple[Optional[str], Optional[RowError]]:
+def _as_text(value: Any, field: str) -> tuple[str | None, RowError | None]:
     if isinstance(value, (bytes, bytearray)):
         try:
             return bytes(value).decode("utf-8"), None
@@ -51,7 +51,7 @@ def _as_text(value: Any, field: str) -> Tuple[Optional[str], Optional[RowError]]
     return None, (field, f"expected a string, got {type(value).__name__}")
 
 
-def _messages(prompt: Any, field: str) -> Tuple[Optional[List[Dict[str, str]]], Optional[RowError]]:
+def _messages(prompt: Any, field: str) -> tuple[list[dict[str, str]] | None, RowError | None]:
     if prompt is None:
         return None, (field, "missing")
     if isinstance(prompt, (str, bytes, bytearray)):
@@ -83,7 +83,7 @@ def _messages(prompt: Any, field: str) -> Tuple[Optional[List[Dict[str, str]]], 
     return messages, None
 
 
-def _ground_truth(raw: Dict[str, Any]) -> Tuple[Any, str]:
+def _ground_truth(raw: dict[str, Any]) -> tuple[Any, str]:
     reward_model = raw.get("reward_model")
     if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
         return reward_model["ground_truth"], str(reward_model.get("style") or "rule")
@@ -104,8 +104,8 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def normalize_row(raw: Dict[str, Any],
-                  prompt_key: str = "prompt") -> Tuple[Optional[Dict[str, Any]], Optional[RowError]]:
+def normalize_row(raw: dict[str, Any],
+                  prompt_key: str = "prompt") -> tuple[dict[str, Any] | None, RowError | None]:
     """One parquet row (as a dict) -> (normalised row, None) or (None, (field, reason))."""
     messages, err = _messages(raw.get(prompt_key), prompt_key)
     if err:
@@ -140,7 +140,7 @@ def normalize_row(raw: Dict[str, Any],
     }, None
 
 
-def apply_system_prompt(messages: List[Dict[str, str]], system_prompt: str) -> List[Dict[str, str]]:
+def apply_system_prompt(messages: list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
     """Replace the first system message's content, or prepend a system message."""
     out = [dict(m) for m in messages]
     for msg in out:

@@ -14,7 +14,8 @@ This package imports no torch; math-verify (sympy) is imported lazily by the mat
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any
+from collections.abc import Callable
 
 from . import deep_research, gsm8k, math
 from ._text import sanitize_text
@@ -22,7 +23,7 @@ from ._text import sanitize_text
 __all__ = ["default_compute_score", "register_data_source", "get_scorer", "SCORERS",
            "DATA_SOURCE_SCORERS", "DATA_SOURCE_PREFIXES"]
 
-SCORERS: Dict[str, Callable[..., Any]] = {
+SCORERS: dict[str, Callable[..., Any]] = {
     "math": math.compute_score,
     "gsm8k": gsm8k.compute_score,
     "deep_research": deep_research.compute_score,
@@ -34,7 +35,7 @@ _QA_SOURCES = ("hotpotqa", "2wiki", "2wikimultihopqa", "musique", "bamboogle", "
                "webwalker", "webwalkerqa", "xbench", "xbench-deepsearch", "frames", "simpleqa", "nq",
                "triviaqa", "popqa", "simpledeepsearch", "webdancer", "hard_search", "deep_research")
 
-DATA_SOURCE_SCORERS: Dict[str, str] = {
+DATA_SOURCE_SCORERS: dict[str, str] = {
     **{name: "math" for name in _MATH_SOURCES},
     **{name: "deep_research" for name in _QA_SOURCES},
     "openai/gsm8k": "gsm8k",
@@ -42,7 +43,7 @@ DATA_SOURCE_SCORERS: Dict[str, str] = {
     "digitallearninggmbh/math-lighteval": "math",
 }
 
-DATA_SOURCE_PREFIXES: Dict[str, str] = {
+DATA_SOURCE_PREFIXES: dict[str, str] = {
     "numina_": "math",
     "arpo_toy_math": "math",
     "arpo_toy_gsm8k": "gsm8k",

@@ -15,7 +15,7 @@ All functions are linear in the input length, so a 1 MB response costs milliseco
 from __future__ import annotations
 
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 __all__ = ["sanitize_text", "last_boxed", "last_boxed_span", "ground_truths", "in_main_thread"]
 
@@ -60,7 +60,7 @@ def _match_brace(text: str, open_idx: int, limit: int) -> int:
 
 
 def _box_at(text: str, start: int, command: str, limit: int,
-            space_form: bool) -> Tuple[Optional[Tuple[int, str]], int]:
+            space_form: bool) -> tuple[tuple[int, str] | None, int]:
     """Parse the box command at `start`.
 
     Returns ((end, content) or None, open_brace_index or -1). The brace match is searched only
@@ -89,15 +89,15 @@ def _box_at(text: str, start: int, command: str, limit: int,
     return None, -1
 
 
-def last_boxed(text: str, commands: Tuple[str, ...] = _BOX_COMMANDS,
-               space_form: bool = True) -> Optional[str]:
+def last_boxed(text: str, commands: tuple[str, ...] = _BOX_COMMANDS,
+               space_form: bool = True) -> str | None:
     """Content of the last well-formed box in `text`, else None (see `last_boxed_span`)."""
     span = last_boxed_span(text, commands, space_form)
     return None if span is None else span[1]
 
 
-def last_boxed_span(text: str, commands: Tuple[str, ...] = _BOX_COMMANDS,
-                    space_form: bool = True) -> Optional[Tuple[int, str]]:
+def last_boxed_span(text: str, commands: tuple[str, ...] = _BOX_COMMANDS,
+                    space_form: bool = True) -> tuple[int, str] | None:
     """(start, content) of the last well-formed `\\boxed{}`/`\\fbox{}`/`\\boxed x`, else None.
 
     `commands` and `space_form` restrict the accepted forms (deep_research wants `\\boxed{}` only).
@@ -106,7 +106,7 @@ def last_boxed_span(text: str, commands: Tuple[str, ...] = _BOX_COMMANDS,
     can only close before q (otherwise its own brace would still be open at the end), so later
     scans stop at q: each character is scanned about once even for 1 MB of `\\boxed{\\boxed{...`.
     """
-    best: Optional[Tuple[int, str]] = None
+    best: tuple[int, str] | None = None
     for command in commands:
         limit = len(text)
         pos = text.rfind(command)
@@ -122,7 +122,7 @@ def last_boxed_span(text: str, commands: Tuple[str, ...] = _BOX_COMMANDS,
     return best
 
 
-def ground_truths(value: Any) -> List[str]:
+def ground_truths(value: Any) -> list[str]:
     """Normalise a ground truth (str | list | tuple | numpy array | {"target": [...]}) to strings."""
     if value is None:
         return []
@@ -140,7 +140,7 @@ def ground_truths(value: Any) -> List[str]:
         if not isinstance(value, list):
             return ground_truths(value if isinstance(value, str) else sanitize_text(value))
     if isinstance(value, (list, tuple, set)):
-        out: List[str] = []
+        out: list[str] = []
         for item in value:
             out.extend(ground_truths(item))
         return out

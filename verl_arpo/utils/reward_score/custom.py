@@ -16,18 +16,19 @@ import hashlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable, Iterable
 
 __all__ = ["load_custom_reward_function", "CustomRewardFunction", "score_items"]
 
-_CACHE: Dict[Tuple[str, str, float], Callable[..., Any]] = {}
+_CACHE: dict[tuple[str, str, float], Callable[..., Any]] = {}
 
 
 class CustomRewardFunction:
     """A user's compute_score loaded from `path`; picklable by reference to the file."""
 
     def __init__(self, path: str, name: str, fn: Callable[..., Any],
-                 reward_kwargs: Optional[Dict[str, Any]] = None):
+                 reward_kwargs: dict[str, Any] | None = None):
         self.path, self.name, self.fn = path, name, fn
         self.reward_kwargs = dict(reward_kwargs or {})
         self.__name__ = name
@@ -44,7 +45,7 @@ class CustomRewardFunction:
 
 
 def load_custom_reward_function(path: Any, name: Any = "compute_score",
-                                reward_kwargs: Optional[Dict[str, Any]] = None) -> CustomRewardFunction:
+                                reward_kwargs: dict[str, Any] | None = None) -> CustomRewardFunction:
     """Import `path` and return its callable `name` (see module docstring).
 
     Raises ValueError (empty path/name, not a .py file), FileNotFoundError (no such file),
@@ -89,7 +90,7 @@ def load_custom_reward_function(path: Any, name: Any = "compute_score",
     return CustomRewardFunction(path, name, fn, reward_kwargs)
 
 
-def score_items(compute_score: Callable[..., Any], items: Iterable[Tuple[int, Any, str, Any, Any]]) -> List[Any]:
+def score_items(compute_score: Callable[..., Any], items: Iterable[tuple[int, Any, str, Any, Any]]) -> list[Any]:
     """Call `compute_score(data_source=, solution_str=, ground_truth=, extra_info=)` per item.
 
     `items` are (index, data_source, solution_str, ground_truth, extra_info). An exception from

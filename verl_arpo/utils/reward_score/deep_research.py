@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from verl_arpo.utils.reward_score._text import ground_truths, last_boxed, sanitize_text
 
@@ -89,7 +89,7 @@ def f1_score(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _tool_calls_closed(text: str, tag: str) -> Optional[str]:
+def _tool_calls_closed(text: str, tag: str) -> str | None:
     """None if every `<tag>` is followed by `</tag>`, `<result>`, `</result>` in that order.
 
     For the call at position p the rule needs the first `</tag>` after p, the first `<result>`
@@ -139,14 +139,14 @@ def check_format(text: str) -> tuple:
 
 
 def compute_score(data_source: Any, solution_str: Any, ground_truth: Any,
-                  extra_info: Any = None) -> Dict[str, Any]:
+                  extra_info: Any = None) -> dict[str, Any]:
     """Score one response (see the module docstring). Never raises on model output."""
     text = sanitize_text(solution_str)
     failure, answer = check_format(text)
     if failure:
         return {"score": FORMAT_PENALTY, "f1": 0.0, "answer": "", "reason": failure}
     answer = answer.strip()
-    golds: List[str] = ground_truths(ground_truth)
+    golds: list[str] = ground_truths(ground_truth)
     if not golds:
         return {"score": 0.0, "f1": 0.0, "answer": answer, "reason": "no_ground_truth"}
     f1 = max(f1_score(answer, gold) for gold in golds)

@@ -20,7 +20,7 @@ which strict mode accepts too (whichever comes last).
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional
+from typing import Any
 
 from verl_arpo.utils.reward_score._text import ground_truths, last_boxed_span, sanitize_text
 
@@ -32,7 +32,7 @@ _HASH_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
 _BOX_STRIP = ("\\$", "$", "\\%", "%", "\\!", " ")
 
 
-def _to_float(text: str) -> Optional[float]:
+def _to_float(text: str) -> float | None:
     try:
         return float(text.replace(",", ""))
     except ValueError:
@@ -51,7 +51,7 @@ def _boxed_number(text: str):
     return (pos, content) if _NUMBER_RE.fullmatch(content) else (-1, None)
 
 
-def extract_solution(solution_str: Any, method: str = "strict") -> Optional[str]:
+def extract_solution(solution_str: Any, method: str = "strict") -> str | None:
     """The final number of a response per `method` ("strict" or "flexible"), or None."""
     if method not in ("strict", "flexible"):
         raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
@@ -67,7 +67,7 @@ def extract_solution(solution_str: Any, method: str = "strict") -> Optional[str]
     return hash_num if hash_pos > box_pos else box_num
 
 
-def _gold_number(gold: str) -> Optional[float]:
+def _gold_number(gold: str) -> float | None:
     hashes = _HASH_RE.findall(gold)
     if hashes:
         return _to_float(hashes[-1])
@@ -77,7 +77,7 @@ def _gold_number(gold: str) -> Optional[float]:
 
 def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None,
                   method: str = "strict", format_score: float = 0.0,
-                  score: float = 1.0) -> Dict[str, Any]:
+                  score: float = 1.0) -> dict[str, Any]:
     """Score one response (see the module docstring)."""
     answer = extract_solution(solution_str, method=method)
     if answer is None:

@@ -32,7 +32,8 @@ import contextlib
 import math as _pymath
 import signal
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 from verl_arpo.utils.reward_score._text import ground_truths, in_main_thread, last_boxed, sanitize_text
 
@@ -43,7 +44,7 @@ MAX_GOLD_CHARS = 2000
 DEFAULT_TIMEOUT_SECONDS = 5
 
 
-def extract_answer(solution_str: Any) -> Optional[str]:
+def extract_answer(solution_str: Any) -> str | None:
     """The last boxed answer of a response, stripped, or None."""
     answer = last_boxed(sanitize_text(solution_str))
     return None if answer is None else answer.strip()
@@ -76,7 +77,7 @@ def _keep_outer_alarm() -> Iterator[None]:
             signal.alarm(max(1, pending - _pymath.ceil(time.monotonic() - start)))
 
 
-def is_equiv(answer: str, gold: str, timeout_seconds: Optional[int] = DEFAULT_TIMEOUT_SECONDS) -> bool:
+def is_equiv(answer: str, gold: str, timeout_seconds: int | None = DEFAULT_TIMEOUT_SECONDS) -> bool:
     """math-verify equivalence of a boxed answer and a ground truth (raises on library errors)."""
     from math_verify import parse, verify  # heavy import (sympy), done lazily
 
@@ -90,7 +91,7 @@ def is_equiv(answer: str, gold: str, timeout_seconds: Optional[int] = DEFAULT_TI
 
 
 def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None,
-                  timeout_seconds: Optional[int] = DEFAULT_TIMEOUT_SECONDS) -> Dict[str, Any]:
+                  timeout_seconds: int | None = DEFAULT_TIMEOUT_SECONDS) -> dict[str, Any]:
     """Score one response (see the module docstring). Never raises on model output."""
     answer = extract_answer(solution_str)
     if answer is None:

@@ -30,7 +30,7 @@ verl_arpo/workers/training_core.py, shared with the critic and SFT.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

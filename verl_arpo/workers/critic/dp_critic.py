@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -37,16 +37,6 @@ from verl_arpo.workers.training_core import (
 )
 
 __all__ = ["DataParallelPPOCritic"]
-
-
-def _local_to_global(loss: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, agg: dict) -> torch.Tensor:
-    """Turn a loss aggregated over this micro-batch's counts into its share of the mini-batch
-    objective (× dp_size for FSDP's gradient averaging)."""
-    if loss_agg_mode == "token-mean":
-        local, total = mask.sum().clamp(min=1), agg["batch_num_tokens"]
-    else:
-        local, total = (mask.sum(-1) > 0).sum().clamp(min=1), agg["global_batch_size"]
-    return loss * (local.to(loss.dtype) / max(total, 1.0) * agg["dp_size"])
 
 
 class DataParallelPPOCritic:
@@ -133,8 +123,7 @@ class DataParallelPPOCritic:
                     mask = micro["response_mask"]
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask,
-                                                           cliprange_value=cliprange_value, loss_agg_mode=mode)
-                    vf_loss = _local_to_global(vf_loss, mask, mode, agg)
+                                                           cliprange_value=cliprange_value, loss_agg_mode=mode, **agg)
                     vf_loss.backward()
                     vf_total += vf_loss.item()
                     n = mask.sum().clamp(min=1)

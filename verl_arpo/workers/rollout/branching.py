@@ -30,7 +30,7 @@ samples); every draw comes from a seeded generator, so a tree is reproducible fr
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 FINISH_REASONS = ("eos", "stop", "length")
 ENGINE_NAMES = ("hf", "vllm")

@@ -47,7 +47,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

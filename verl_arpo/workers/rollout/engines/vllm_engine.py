@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest, InferenceEngine, topk_with_sampled
 

@@ -11,7 +11,7 @@ A tool written against the old API (only ``execute`` overridden) still works wit
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 
 class ToolError(Exception):
@@ -52,7 +52,7 @@ class BaseTool:
         except Exception as exc:  # noqa: BLE001 - the contract is "never raise into the rollout"
             return error_text(self.name, exc)
 
-    def metrics(self) -> Dict[str, Any]:
+    def metrics(self) -> dict[str, Any]:
         """Tool-specific counters (e.g. cache hits); the executor prefixes them with tools/<tag>/."""
         return {}
 

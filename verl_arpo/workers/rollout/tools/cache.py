@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple, Union
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _BATCH = 256
 _STOP = object()
 
 
-def db_path_for(cache_file: Union[str, Path]) -> Tuple[Path, Optional[Path]]:
+def db_path_for(cache_file: str | Path) -> tuple[Path, Path | None]:
     """(sqlite path, reference JSON to import or None) for a configured ``cache_file``.
 
     Made absolute now, so a later chdir of the process cannot split the cache in two."""
@@ -74,7 +74,7 @@ def _rollback(conn: sqlite3.Connection) -> None:
 class SearchCache:
     """Query -> formatted result store. Thread-safe; safe to use from many processes at once."""
 
-    def __init__(self, cache_file: Union[str, Path], async_write: bool = False):
+    def __init__(self, cache_file: str | Path, async_write: bool = False):
         self.path, json_file = db_path_for(cache_file)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.async_write = async_write
@@ -132,10 +132,10 @@ class SearchCache:
         self._local = threading.local()
         self._all_conns = []
         self._conns_lock = threading.Lock()
-        self._pending: Dict[str, str] = {}
+        self._pending: dict[str, str] = {}
         self._pending_lock = threading.Lock()
         self._queue: "queue.Queue" = queue.Queue()
-        self._writer: Optional[threading.Thread] = None
+        self._writer: threading.Thread | None = None
 
     def _conn(self) -> sqlite3.Connection:
         if self._pid != os.getpid():
@@ -152,7 +152,7 @@ class SearchCache:
         return conn
 
     # ---------------------------------------------------------------------------- reads
-    def get(self, query: str) -> Optional[str]:
+    def get(self, query: str) -> str | None:
         """The cached result for ``query`` or None; counts a hit or a miss."""
         with self._pending_lock:
             value = self._pending.get(query)
@@ -173,7 +173,7 @@ class SearchCache:
         self.flush()
         return self._conn().execute("SELECT COUNT(*) FROM cache").fetchone()[0]
 
-    def items(self) -> Iterator[Tuple[str, str]]:
+    def items(self) -> Iterator[tuple[str, str]]:
         self.flush()
         yield from self._conn().execute("SELECT query, result FROM cache ORDER BY query")
 
@@ -274,7 +274,7 @@ class SearchCache:
         self._local = threading.local()
 
     # ------------------------------------------------------------------ reference JSON format
-    def import_json(self, json_file: Union[str, Path], overwrite: bool = False) -> int:
+    def import_json(self, json_file: str | Path, overwrite: bool = False) -> int:
         """Load ``{query: result}``; existing entries win unless ``overwrite``. Returns #rows read."""
         data = json.loads(Path(json_file).read_text(encoding="utf-8") or "{}")
         if not isinstance(data, dict):
@@ -307,7 +307,7 @@ class SearchCache:
         conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, sig))
         logger.info("search cache: imported %d entries from %s into %s", n, json_file, self.path)
 
-    def export_json(self, json_file: Union[str, Path]) -> int:
+    def export_json(self, json_file: str | Path) -> int:
         """Write all entries as the reference's JSON object (atomic replace). Returns #entries."""
         data = dict(self.items())
         out = Path(json_file)
@@ -317,7 +317,7 @@ class SearchCache:
         return len(data)
 
     # ---------------------------------------------------------------------------- metrics
-    def metrics(self) -> Dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         with self._stats_lock:
             s = dict(self._stats)
         looked = s["hits"] + s["misses"]

@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
 from verl_arpo.workers.rollout.tools.cache import SearchCache
@@ -29,7 +29,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_CORPUS = "search_cache/local_corpus.jsonl"
 
 
-def resolve_path(path: Union[str, Path]) -> Path:
+def resolve_path(path: str | Path) -> Path:
     """A relative path is tried from the working directory, then from the project root."""
     p = Path(path).expanduser()
     if p.is_absolute() or p.exists():
@@ -37,7 +37,7 @@ def resolve_path(path: Union[str, Path]) -> Path:
     return PROJECT_ROOT / p
 
 
-def load_corpus(path: Union[str, Path]) -> List[Dict[str, str]]:
+def load_corpus(path: str | Path) -> list[dict[str, str]]:
     docs = []
     with open(resolve_path(path), encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -65,7 +65,7 @@ class LocalSearchTool(BaseTool):
         corpus_path: str = DEFAULT_CORPUS,
         max_results: int = 5,
         result_length: int = 1000,
-        cache_file: Optional[str] = None,
+        cache_file: str | None = None,
         async_cache_write: bool = False,
         **_ignored: Any,  # Bing-only keys (api_key, zone, location) when a config swaps the class
     ):
@@ -85,7 +85,7 @@ class LocalSearchTool(BaseTool):
         if _ignored:
             logger.info("LocalSearchTool ignores params %s", sorted(_ignored))
 
-    def search(self, query: str, k: Optional[int] = None) -> List[Dict[str, Any]]:
+    def search(self, query: str, k: int | None = None) -> list[dict[str, Any]]:
         """Top documents with score > 0, best first, each with its ``score``."""
         k = min(k or self.max_results, len(self.docs))
         q = self._bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
@@ -111,7 +111,7 @@ class LocalSearchTool(BaseTool):
             self.cache.put(query, text)
         return text
 
-    def metrics(self) -> Dict[str, Any]:
+    def metrics(self) -> dict[str, Any]:
         return self.cache.metrics() if self.cache is not None else {}
 
     def close(self) -> None:

@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
 
@@ -164,11 +164,11 @@ def _readable_by_others(path: str) -> bool:
 
 
 _probe_lock = threading.Lock()
-_probe_result: Optional[bool] = None
+_probe_result: bool | None = None
 _fallback_warned = False
 
 
-def _drop_to() -> Optional[int]:
+def _drop_to() -> int | None:
     """uid to run the child as: 65534 when we are root (RLIMIT_NPROC ignores root), else ours."""
     return SANDBOX_UID if os.geteuid() == 0 else None
 
@@ -195,7 +195,7 @@ def bwrap_available() -> bool:
         return _probe_result
 
 
-def _bwrap_system_args(tmpfs_bytes: int, ro_paths: Sequence[str]) -> List[str]:
+def _bwrap_system_args(tmpfs_bytes: int, ro_paths: Sequence[str]) -> list[str]:
     args = ["--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr"]
     # merged-/usr systems have /lib -> usr/lib symlinks; older ones have real directories
@@ -230,14 +230,14 @@ class PythonTool(BaseTool):
         timeout: float = 60,
         max_output_chars: int = 10_000,
         memory_mb: int = 2048,
-        cpu_seconds: Optional[int] = None,
+        cpu_seconds: int | None = None,
         max_processes: int = 64,
         max_file_mb: int = 64,
         tmpfs_mb: int = 256,
         sandbox: str = "auto",
-        python_path: Optional[str] = None,
-        conda_path: Optional[str] = None,
-        conda_env: Optional[str] = None,
+        python_path: str | None = None,
+        conda_path: str | None = None,
+        conda_env: str | None = None,
         extra_ro_paths: Sequence[str] = (),
         preprocess: bool = True,
     ):
@@ -278,9 +278,9 @@ class PythonTool(BaseTool):
         return wanted
 
     @staticmethod
-    def _interpreter_prefixes(python: str) -> List[str]:
+    def _interpreter_prefixes(python: str) -> list[str]:
         """Directories to bind read-only so a non-/usr interpreter (conda env, venv) can start."""
-        out: List[str] = []
+        out: list[str] = []
         for p in (os.path.abspath(python), os.path.realpath(python)):
             prefix = os.path.dirname(os.path.dirname(p))
             if prefix not in ("/", "/usr") and not prefix.startswith("/usr/") and prefix not in out:
@@ -351,8 +351,8 @@ class PythonTool(BaseTool):
         return f"{text.rstrip()}\n{msg}" if text.strip() else msg
 
 
-def _run_bounded(argv: List[str], stdin: bytes, cwd: str, timeout: float,
-                 out_cap: int) -> Tuple[int, bytes, bytes, bool, bool]:
+def _run_bounded(argv: list[str], stdin: bytes, cwd: str, timeout: float,
+                 out_cap: int) -> tuple[int, bytes, bytes, bool, bool]:
     """Run ``argv`` with a wall timeout, reading at most ``out_cap`` bytes of stdout.
 
     Returns (returncode, stdout, stderr, timed_out, stdout_overflowed). On timeout or overflow the

@@ -39,7 +39,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, uses_run
 
@@ -69,11 +70,11 @@ class ToolsConfig:
     """log every call (tag, seconds, ok)"""
     fail_on_error: bool = False
     """raise when a tool fails to load instead of skipping it with a warning"""
-    tool_instances: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    tool_instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     """name -> {class_path, params}"""
 
 
-def _to_plain(cfg: Any) -> Dict[str, Any]:
+def _to_plain(cfg: Any) -> dict[str, Any]:
     if cfg is None:
         return {}
     if isinstance(cfg, (str, Path)):
@@ -89,7 +90,7 @@ def _to_plain(cfg: Any) -> Dict[str, Any]:
     raise TypeError(f"tool config must be a dict, OmegaConf node or YAML path, got {type(cfg).__name__}")
 
 
-def load_tools_config(cfg: Union[ToolsConfig, Mapping, str, Path, Any]) -> ToolsConfig:
+def load_tools_config(cfg: ToolsConfig | Mapping | str | Path | Any) -> ToolsConfig:
     """ToolsConfig from a dict / OmegaConf node / YAML path, with or without a ``tools:`` wrapper."""
     if isinstance(cfg, ToolsConfig):
         return cfg
@@ -117,10 +118,10 @@ def resolve_class(class_path: str) -> type:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def build_tools(cfg: Union[ToolsConfig, Mapping, str, Path, Any]) -> Dict[str, BaseTool]:
+def build_tools(cfg: ToolsConfig | Mapping | str | Path | Any) -> dict[str, BaseTool]:
     """``{trigger_tag: tool}``; a tool that fails to load is skipped unless ``fail_on_error``."""
     config = load_tools_config(cfg)
-    tools: Dict[str, BaseTool] = {}
+    tools: dict[str, BaseTool] = {}
     for name, spec in config.tool_instances.items():
         try:
             cls = resolve_class(str(spec["class_path"]))
@@ -170,11 +171,11 @@ class ToolExecutor:
         self.verbose_logging = verbose_logging
         self.call_limit = int(call_limit)
         self._lock = threading.Lock()
-        self._stats: Dict[str, Dict[str, float]] = {}
-        self._abandoned: List[threading.Thread] = []
+        self._stats: dict[str, dict[str, float]] = {}
+        self._abandoned: list[threading.Thread] = []
 
     @classmethod
-    def from_config(cls, cfg: Union[ToolsConfig, Mapping, str, Path, Any]) -> "ToolExecutor":
+    def from_config(cls, cfg: ToolsConfig | Mapping | str | Path | Any) -> "ToolExecutor":
         config = load_tools_config(cfg)
         return cls(build_tools(config), max_workers=config.max_workers, timeout=config.timeout,
                    retry_count=config.retry_count, retry_backoff=config.retry_backoff,
@@ -182,11 +183,11 @@ class ToolExecutor:
 
     # --------------------------------------------------------------------------- properties
     @property
-    def trigger_tags(self) -> List[str]:
+    def trigger_tags(self) -> list[str]:
         return list(self.tools)
 
     @property
-    def stop_strings(self) -> List[str]:
+    def stop_strings(self) -> list[str]:
         """What the engine stops generation on: ``</python>``, ``</search>``, ..."""
         return [f"</{tag}>" for tag in self.tools]
 
@@ -194,11 +195,11 @@ class ToolExecutor:
     def execute(self, tag: str, content: str) -> ToolResult:
         return self.execute_batch([(tag, content)])[0]
 
-    def execute_batch(self, calls: Sequence[Tuple[str, str]]) -> List[ToolResult]:
+    def execute_batch(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
         """One result per call, in order. Never raises because of a tool."""
-        results: List[Optional[ToolResult]] = [None] * len(calls)
-        finished: Dict[int, ToolResult] = {}
-        started: Dict[int, Tuple[float, threading.Thread]] = {}
+        results: list[ToolResult | None] = [None] * len(calls)
+        finished: dict[int, ToolResult] = {}
+        started: dict[int, tuple[float, threading.Thread]] = {}
         wake = threading.Condition()
         nxt = 0
         while True:
@@ -239,7 +240,7 @@ class ToolExecutor:
             self._record(r)
         return results  # type: ignore[return-value]
 
-    def _precheck(self, tag: str, content: str) -> Optional[ToolResult]:
+    def _precheck(self, tag: str, content: str) -> ToolResult | None:
         if tag not in self.tools:
             avail = ", ".join(self.tools) or "none"
             return ToolResult(f"Error: unknown tool '{tag}'. Available tools: {avail}.", False, 0.0, tag)
@@ -248,7 +249,7 @@ class ToolExecutor:
                               False, 0.0, tag)
         return None
 
-    def _worker(self, i: int, tag: str, content: str, finished: Dict[int, ToolResult],
+    def _worker(self, i: int, tag: str, content: str, finished: dict[int, ToolResult],
                 wake: threading.Condition) -> None:
         t0 = time.monotonic()
         try:
@@ -309,10 +310,10 @@ class ToolExecutor:
         if self.verbose_logging:
             logger.info("tool %s: ok=%s %.3fs attempts=%d", r.tag, r.ok, r.seconds, r.attempts)
 
-    def metrics(self, reset: bool = False) -> Dict[str, float]:
+    def metrics(self, reset: bool = False) -> dict[str, float]:
         """``tools/<tag>/{calls,successes,failures,timeouts,retries,time_avg,time_max}``, totals
         as ``tools/<name>``, and each tool's own counters. ``reset`` starts a new window."""
-        out: Dict[str, float] = {}
+        out: dict[str, float] = {}
         with self._lock:
             stats = {k: dict(v) for k, v in self._stats.items()}
             if reset:

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 from urllib.parse import urlencode
 
 import requests
@@ -44,7 +44,7 @@ _MARKETS = {"us": ("en-US", "en"), "gb": ("en-GB", "en"), "uk": ("en-GB", "en"),
             "ca": ("en-CA", "en"), "au": ("en-AU", "en")}
 
 
-def format_results(snippets: List[str], max_results: int, result_length: int) -> str:
+def format_results(snippets: list[str], max_results: int, result_length: int) -> str:
     """``Page i: snippet`` lines; empty/duplicate snippets dropped, each cut to result_length."""
     seen, pages = set(), []
     for s in snippets:
@@ -79,14 +79,14 @@ class BingSearchTool(BaseTool):
         max_results: int = 10,
         result_length: int = 1000,
         location: str = "us",
-        cache_file: Optional[str] = None,
+        cache_file: str | None = None,
         async_cache_write: bool = False,
         endpoint: str = DEFAULT_ENDPOINT,
         request_timeout: float = 30.0,
         http_retries: int = 2,
         retry_backoff: float = 1.0,
-        mkt: Optional[str] = None,
-        language: Optional[str] = None,
+        mkt: str | None = None,
+        language: str | None = None,
         **unused: Any,
     ):
         # Swapping class_path between search tools keeps the other tool's params: ignore them.
@@ -179,7 +179,7 @@ class BingSearchTool(BaseTool):
             s = self._sessions.s = requests.Session()
         return s
 
-    def _backoff(self, attempt: int, resp: Optional[requests.Response]) -> float:
+    def _backoff(self, attempt: int, resp: requests.Response | None) -> float:
         delay = self.retry_backoff * 2 ** (attempt - 1)
         retry_after = resp.headers.get("Retry-After") if resp is not None else None
         if retry_after and retry_after.isdigit():
@@ -189,7 +189,7 @@ class BingSearchTool(BaseTool):
     def _redact(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
 
-    def metrics(self) -> Dict[str, Any]:
+    def metrics(self) -> dict[str, Any]:
         return self.cache.metrics() if self.cache is not None else {}
 
     def close(self) -> None:
