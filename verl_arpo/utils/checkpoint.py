@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import re
@@ -60,6 +61,8 @@ FORMAT = "verl_arpo.dcp/1"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _STAGING_RE = re.compile(r"^\.global_step_(\d+)\.partial$")
 _NEARLY_FULL = 64 * 1024**2  # below this many free bytes, a failed write is reported as disk full
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointSaveError(OSError):
@@ -111,12 +114,12 @@ def find_latest_ckpt_path(root: str | None) -> str | None:
         path = checkpoint_dir(root, step)
         if is_complete_checkpoint(path):
             return path
-        warnings.warn(f"{tracker} points to step {step}, but {path} is missing or incomplete; "
+        logger.warning(f"{tracker} points to step {step}, but {path} is missing or incomplete; "
                       "scanning for the newest complete checkpoint")
     except FileNotFoundError:
         pass
     except (OSError, ValueError) as e:
-        warnings.warn(f"cannot read {tracker} ({e}); scanning for the newest complete checkpoint")
+        logger.warning(f"cannot read {tracker} ({e}); scanning for the newest complete checkpoint")
     found = list_checkpoints(root)
     return found[-1][1] if found else None
 
@@ -555,7 +558,7 @@ class FSDPCheckpointManager:
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if not same_world:
-            warnings.warn(f"checkpoint saved with {meta.get('world_size')} ranks, loading with "
+            logger.warning(f"checkpoint saved with {meta.get('world_size')} ranks, loading with "
                           f"{_world()}: RNG states are not restored")
             return
         rng = state["rng"]

@@ -26,8 +26,8 @@ whose position_ids do not run 0..L−1.
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from verl_arpo.utils.job_config import OptimConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["attn_implementation", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
            "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
@@ -142,7 +144,7 @@ _warned: set[str] = set()
 def warn_once(key: str, msg: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(msg, stacklevel=3)
+        logger.warning(msg)
 
 
 def packing_supported(module: torch.nn.Module) -> tuple[bool, str]:
@@ -252,7 +254,7 @@ def clip_grad_and_step(module: torch.nn.Module, optimizer, grad_clip: float | No
     if math.isfinite(norm):
         optimizer.step()
     else:
-        warnings.warn(f"{name}: grad_norm is {norm}; skipping this optimizer step", stacklevel=2)
+        logger.warning("%s: grad_norm is %s; skipping this optimizer step", name, norm)
     optimizer.zero_grad(set_to_none=True)
     return norm
 

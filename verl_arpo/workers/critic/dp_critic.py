@@ -17,7 +17,7 @@ local_count / global_count · dp_size (exact, since agg_loss divides by that cou
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -38,6 +38,8 @@ from verl_arpo.workers.training_core import (
 
 __all__ = ["DataParallelPPOCritic"]
 
+logger = logging.getLogger(__name__)
+
 
 class DataParallelPPOCritic:
     """PPO critic over a (possibly FSDP2-wrapped) HF token-classification model (num_labels=1).
@@ -57,7 +59,7 @@ class DataParallelPPOCritic:
         if self.use_remove_padding:
             ok, why = packing_supported(critic_module)
             if not ok:
-                warnings.warn(f"critic use_remove_padding disabled: {why}; using padded batches", stacklevel=2)
+                logger.warning("critic use_remove_padding disabled: %s; using padded batches", why)
                 self.use_remove_padding = False
         self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
 
