@@ -28,7 +28,6 @@ counted in a metric instead of hidden.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -38,16 +37,13 @@ import numpy as np
 import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
+from verl_arpo.utils.job_config import RolloutSection, ValKwargs, from_mapping
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.rollout import branching
 from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
 from verl_arpo.workers.rollout.tool_text import extract_tool_call, fit_tool_result
 
 EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
-
-
-def _as_dict(value: Any) -> dict:
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
 
 
 @dataclass
@@ -92,20 +88,22 @@ class RolloutConfig:
     """optional cap on rounds per generate call; trajectories still short of n are then duplicated."""
     seed: int = 0
     """seeds every branch draw and sampling seed, with the training step: same seed → same tree."""
-    val_kwargs: dict = field(default_factory=lambda: {"temperature": 0.0, "top_p": 1.0, "top_k": -1,
-                                                      "do_sample": False, "n": 1})
-    """validation sampling: greedy by default, n = 1, never branches."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """validation sampling (`rollout.val_kwargs`): greedy by default, n = 1, never branches."""
 
     @classmethod
-    def from_config(cls, cfg: Any, **overrides) -> "RolloutConfig":
-        """Build from a dict / OmegaConf node, ignoring keys this loop does not use."""
+    def from_config(cls, cfg: RolloutSection | Any, **overrides) -> "RolloutConfig":
+        """The loop's view of `actor_rollout_ref.rollout` (a RolloutSection, or a dict of its keys):
+        the fields this loop uses, by name; `overrides` win (call_limit, seed)."""
         get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
         kwargs = {f.name: get(f.name, None) for f in fields(cls)}
-        kwargs = {k: (_as_dict(v) if k == "val_kwargs" else v) for k, v in kwargs.items() if v is not None}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(overrides)
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.val_kwargs, ValKwargs):  # a mapping of the rollout.val_kwargs keys
+            object.__setattr__(self, "val_kwargs", from_mapping(ValKwargs, self.val_kwargs, "rollout.val_kwargs"))
         branching.get_branch_rule(self.branch_rule)  # an unknown name fails here, naming the choices
 
     @property
@@ -212,10 +210,10 @@ class AgentLoop:
         cfg = self.cfg
         if validate:
             vk = cfg.val_kwargs
-            greedy = not vk.get("do_sample", False) or float(vk.get("temperature", 0.0)) <= 0
-            sp = SamplingParams(temperature=float(vk.get("temperature", 1.0)) if not greedy else 1.0,
-                                top_p=float(vk.get("top_p", 1.0)), top_k=int(vk.get("top_k", -1)), greedy=greedy)
-            n, rule = int(vk.get("n", 1)), "none"
+            greedy = not vk.do_sample or float(vk.temperature) <= 0
+            sp = SamplingParams(temperature=float(vk.temperature) if not greedy else 1.0,
+                                top_p=float(vk.top_p), top_k=int(vk.top_k), greedy=greedy)
+            n, rule = int(vk.n), "none"
         else:
             greedy = meta.get("do_sample", True) is False
             sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
