@@ -50,8 +50,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.sft_data import read_records, to_messages, tokenize_conversation
 from verl_arpo.utils.job_config import OptimConfig
-from verl_arpo.workers.training_core import (attn_implementation, build_adamw, build_lr_scheduler, clip_grad_and_step,
-                                             shard_fsdp2)
+from verl_arpo.workers.training_core import (
+    build_adamw,
+    build_lr_scheduler,
+    clip_grad_and_step,
+    load_causal_lm,
+    shard_fsdp2,
+)
 
 logger = logging.getLogger("verl_arpo.sft")
 
@@ -231,7 +236,10 @@ def full_state_dict(model, world: int) -> dict[str, torch.Tensor] | None:
     """The unsharded state dict (on CPU) on rank 0; None on other ranks."""
     if world == 1:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if dist.get_rank() == 0 else None
@@ -263,7 +271,7 @@ def evaluate_loss(model, dataset: SFTDataset, micro: int, pad_id: int, device) -
 
 def run_sft(cfg: DictConfig) -> dict[str, Any]:
     """Train and save; returns a summary (also written to <default_local_dir>/sft_meta.json)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     rank, world, device = init_distributed(cfg.trainer.device)
     torch.manual_seed(cfg.trainer.seed)
@@ -278,10 +286,9 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     val = SFTDataset(files("val_files"), tok, cfg.data.max_length, cfg.data.truncation) if cfg.data.val_files else None
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(cfg.model.dtype)]
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                                 attn_implementation=attn_implementation(cfg.model.attn_implementation)).to(device)
-    if cfg.model.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    model = load_causal_lm(model_path, dtype=dtype, attn=cfg.model.attn_implementation,
+                           trust_remote_code=cfg.model.trust_remote_code,
+                           gradient_checkpointing=cfg.model.enable_gradient_checkpointing).to(device)
     model.config.use_cache = False
     model = shard_model(model, world, device)
     model.train()

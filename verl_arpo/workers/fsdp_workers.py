@@ -26,8 +26,16 @@ from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
-from verl_arpo.workers.training_core import (attn_implementation, build_adamw, build_lr_scheduler, fsdp_mixed_precision,
-                                             maybe_reshard, move_optimizer_state, shard_fsdp2)
+from verl_arpo.workers.training_core import (
+    attn_implementation,
+    build_adamw,
+    build_lr_scheduler,
+    fsdp_mixed_precision,
+    load_causal_lm,
+    maybe_reshard,
+    move_optimizer_state,
+    shard_fsdp2,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +77,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     def init_model(self, total_training_steps: int = 1, need_ref: bool = False, seed: int = 0):
         """Load, shard and wire the roles. `need_ref` (the trainer's `use_reference_policy`: an
         active KL loss or in-reward KL, as normalize_config decided) builds the reference model."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from verl_arpo.utils.checkpoint import FSDPCheckpointManager
         from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
@@ -86,24 +94,15 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mcfg.trust_remote_code)
-        attn = attn_implementation(mcfg.attn_implementation)
         self.lora = int(mcfg.lora_rank or 0) > 0
         self.actor_module = self.actor = self.ref_module = None
 
         def load(train: bool):
-            model = AutoModelForCausalLM.from_pretrained(
-                path, torch_dtype=torch.float32, attn_implementation=attn,
-                trust_remote_code=mcfg.trust_remote_code, **dict(mcfg.override_config or {}))
-            if train and mcfg.enable_gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if train and self.lora:
-                from peft import LoraConfig, get_peft_model
-
-                tm = mcfg.target_modules
-                model = get_peft_model(model, LoraConfig(
-                    r=int(mcfg.lora_rank), lora_alpha=int(mcfg.lora_alpha),
-                    target_modules=tm if isinstance(tm, str) else list(tm), bias="none", task_type="CAUSAL_LM"))
-            return model.to(self.device_name)
+            return load_causal_lm(path, attn=mcfg.attn_implementation, trust_remote_code=mcfg.trust_remote_code,
+                                  override_config=mcfg.override_config,
+                                  gradient_checkpointing=train and mcfg.enable_gradient_checkpointing,
+                                  lora_rank=mcfg.lora_rank if train else 0, lora_alpha=mcfg.lora_alpha,
+                                  target_modules=mcfg.target_modules).to(self.device_name)
 
         acfg = self.config.actor
         self.actor_module = self._shard(load(train=True), acfg.fsdp_config, train=True)
@@ -252,7 +251,11 @@ class CriticWorker(Worker, _FSDPModelMixin):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int = 1):
-        from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+        from transformers import (
+            AutoConfig,
+            AutoModelForTokenClassification,
+            AutoTokenizer,
+        )
 
         from verl_arpo.utils.checkpoint import FSDPCheckpointManager
         from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic

@@ -38,7 +38,7 @@ from verl_arpo.utils.job_config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attn_implementation", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
+__all__ = ["attn_implementation", "load_causal_lm", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
            "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
            "packing_supported", "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
 
@@ -58,6 +58,28 @@ def attn_implementation(requested: str | None) -> str:
         except ImportError:
             pass
     return "sdpa"
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None,
+                   trust_remote_code: bool = False, override_config: dict | None = None,
+                   gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: int = 16,
+                   target_modules: str | list = "all-linear") -> torch.nn.Module:
+    """A Hugging Face causal LM for training: `attn` through attn_implementation, `override_config`
+    applied to its config, non-reentrant gradient checkpointing, LoRA adapters (peft) when
+    lora_rank > 0. On the CPU; the caller moves and shards it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(attn),
+                                                 trust_remote_code=trust_remote_code, **dict(override_config or {}))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        tm = target_modules if isinstance(target_modules, str) else list(target_modules)
+        model = get_peft_model(model, LoraConfig(r=int(lora_rank), lora_alpha=int(lora_alpha), target_modules=tm,
+                                                 bias="none", task_type="CAUSAL_LM"))
+    return model
 
 
 def fsdp_mixed_precision(mixed_precision: dict | None, device_type: str):

@@ -17,13 +17,19 @@ No config objects are required and there is no global state besides the registri
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from typing import Any
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from verl_arpo.utils.job_config import kl_term_active  # noqa: F401 - re-exported: the rule the actor applies
+from verl_arpo.utils.job_config import (
+    ActorConfig,
+    AlgorithmConfig,
+    KLCtrlConfig,
+    from_mapping,
+    kl_term_active,  # noqa: F401 - re-exported: the rule the actor applies
+)
 from verl_arpo.utils.torch_functional import (
     check_same_shape,
     clip_by_value,
@@ -77,14 +83,6 @@ def get_policy_loss_fn(name: str) -> Callable:
     if name not in POLICY_LOSS_REGISTRY:
         raise ValueError(f"unknown policy `loss_mode` {name!r}; accepted: {sorted(POLICY_LOSS_REGISTRY)}")
     return POLICY_LOSS_REGISTRY[name]
-
-
-def _cfg(config: Any, key: str, default: Any) -> Any:
-    """Read `key` from a dict, an OmegaConf node or a dataclass; `default` when absent or None."""
-    if config is None:
-        return default
-    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
-    return default if value is None else value
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +257,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
     result whenever the mask has no interior zeros.
     """
     check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    gamma = float(gamma if gamma is not None else _cfg(config, "gamma", 1.0))
+    if gamma is None:
+        gamma = from_mapping(AlgorithmConfig, config, "algorithm").gamma
     with torch.no_grad():
         mask = response_mask.to(token_level_rewards.dtype)
         running = torch.zeros_like(token_level_rewards[:, 0])
@@ -365,14 +364,13 @@ def compute_policy_loss(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-def _clip_args(config: Any) -> dict:
-    clip = _cfg(config, "clip_ratio", 0.2)
-    return dict(
-        cliprange=clip,
-        cliprange_low=_cfg(config, "clip_ratio_low", clip),
-        cliprange_high=_cfg(config, "clip_ratio_high", clip),
-        clip_ratio_c=_cfg(config, "clip_ratio_c", 3.0),
-    )
+def _clip_args(config: ActorConfig | Mapping | None) -> dict:
+    """The clip settings of the actor config (a mapping of its keys is built into one; absent keys
+    take the YAML defaults): ε_low / ε_high default to clip_ratio."""
+    c = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
+    low = c.clip_ratio if c.clip_ratio_low is None else c.clip_ratio_low
+    high = c.clip_ratio if c.clip_ratio_high is None else c.clip_ratio_high
+    return dict(cliprange=c.clip_ratio, cliprange_low=low, cliprange_high=high, clip_ratio_c=c.clip_ratio_c)
 
 
 @register_policy_loss("vanilla")
@@ -488,10 +486,10 @@ class AdaptiveKLController:
 
 def get_kl_controller(kl_ctrl: Any) -> FixedKLController | AdaptiveKLController:
     """Build from algorithm.kl_ctrl {type: fixed|adaptive, kl_coef, target_kl, horizon}."""
-    kind = _cfg(kl_ctrl, "type", "fixed")
+    k = from_mapping(KLCtrlConfig, kl_ctrl, "algorithm.kl_ctrl")
+    kind = k.type
     if kind == "fixed":
-        return FixedKLController(_cfg(kl_ctrl, "kl_coef", 0.0))
+        return FixedKLController(k.kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(_cfg(kl_ctrl, "kl_coef", 0.0), _cfg(kl_ctrl, "target_kl", 0.1),
-                                    _cfg(kl_ctrl, "horizon", 10000))
+        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
     raise ValueError(f"unknown `kl_ctrl.type` {kind!r}; accepted: ['fixed', 'adaptive']")
