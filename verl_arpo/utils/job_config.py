@@ -35,7 +35,7 @@ from typing import Any
 from collections.abc import Mapping
 
 __all__ = ["ConfigError", "JobConfig", "Derived", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
-           "RolloutSection", "CriticConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig", "FSDPConfig",
+           "RolloutSection", "CriticConfig", "ToolsConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig", "FSDPConfig",
            "from_mapping", "NOT_IMPLEMENTED", "not_implemented_problems", "kl_term_active"]
 
 
@@ -192,15 +192,24 @@ class ValKwargs:
 
 @dataclass(frozen=True)
 class ToolsConfig:
-    """The tool registry's section; `tool_instances` maps a tool name to {class_path, params} (free-form
-    params: each tool class checks its own, see docs/tools.md)."""
+    """`actor_rollout_ref.rollout.tools`, also the root of a tool YAML file (configs/tools/*.yaml) read by
+    the tool registry; `tool_instances` maps a tool name to {class_path, params} (free-form params:
+    each tool class checks its own, see docs/tools.md)."""
 
     call_limit: int = 3
+    """maximum tool calls per trajectory (the rollout enforces it)"""
     max_workers: int = 64
+    """tool calls running at the same time"""
     timeout: float = 120
+    """wall-clock seconds for one call, retries and backoff included"""
     retry_count: int = 3
+    """extra attempts after an exception or an empty result"""
+    retry_backoff: float = 0.5
+    """seconds before the first retry; doubles each time"""
     verbose_logging: bool = False
+    """log every call (tag, seconds, ok)"""
     fail_on_error: bool = False
+    """raise when a tool fails to load instead of skipping it with a warning"""
     tool_instances: dict = field(default_factory=lambda: {
         "python": {"class_path": "verl_arpo.workers.rollout.tools.python_tool.PythonTool",
                    "params": {"timeout": 20, "sandbox": "auto", "conda_path": None, "conda_env": None}},

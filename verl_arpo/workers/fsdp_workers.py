@@ -15,7 +15,6 @@ separate GPUs are not implemented):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -138,7 +137,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                  dtype=rcfg.dtype, seed=int(rcfg.seed) + self.rank,
                                  max_model_len=rcfg.max_model_len or int(rcfg.prompt_length) + int(rcfg.response_length))
         self.engine = build_engine(name, path, self.tokenizer, **engine_kwargs)
-        self.tool_executor = ToolExecutor.from_config({"tools": dataclasses.asdict(rcfg.tools)})
+        self.tool_executor = ToolExecutor.from_config(rcfg.tools)
         call_limit = self.tool_executor.call_limit if self.tool_executor else 0
         # each rank draws from its own stream: seed + rank (the step enters inside the loop)
         loop_cfg = RolloutConfig.from_config(rcfg, call_limit=call_limit, seed=int(rcfg.seed) * 1000 + self.rank)

@@ -46,47 +46,51 @@ from verl_arpo.workers.rollout.tool_text import extract_tool_call, fit_tool_resu
 EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
 
 
+_SECTION = RolloutSection()
+
+
 @dataclass
 class RolloutConfig:
-    """The rollout keys of `actor_rollout_ref.rollout` (plus the response budget from `data`)."""
+    """The agent loop's view of `actor_rollout_ref.rollout`: the keys it uses, defaults taken from the
+    typed section (job_config.RolloutSection, which a test keeps equal to configs/ppo_trainer.yaml)."""
 
-    n: int = 1
+    n: int = _SECTION.n
     """trajectories per prompt at the end (the GRPO group size)."""
-    initial_rollouts: int | None = None
+    initial_rollouts: int | None = _SECTION.initial_rollouts
     """m0: independent trajectories started per prompt; None or ≥ n means plain GRPO (no branching)."""
-    beam_size: int = 2
+    beam_size: int = _SECTION.beam_size
     """a trajectory may spawn up to beam_size − 1 branches per round."""
-    branch_rule: str = "arpo"
+    branch_rule: str = _SECTION.branch_rule
     """the branch decision, a name in branching.BRANCH_RULES: `arpo` (probability branch_probability
     + w·ΔH) or `aepo` (threshold rule with the consecutive-branch penalty, the AEPO rollout's)."""
-    branch_probability: float = 0.5
+    branch_probability: float = _SECTION.branch_probability
     """arpo: base branch probability; aepo: the threshold on the branch score."""
-    entropy_weight: float = 0.2
+    entropy_weight: float = _SECTION.entropy_weight
     """weight of ΔH = H_k − H0_k in the branch rule."""
-    enable_dynamic_rollouts: bool = False
+    enable_dynamic_rollouts: bool = _SECTION.enable_dynamic_rollouts
     """AEPO entropy pre-monitoring: m_i initial trajectories per prompt from H_root − H̄ (any branch rule)."""
-    dynamic_rollout_beta: float = 0.5
+    dynamic_rollout_beta: float = _SECTION.dynamic_rollout_beta
     """AEPO β in m_i = floor(n·σ(β·(H_root − H̄))) + 1."""
-    branch_penalty_gamma: float = 0.05
+    branch_penalty_gamma: float = _SECTION.branch_penalty_gamma
     """AEPO γ in the branch penalty max(0, 1 − γ·c_i)."""
-    initial_entropy_tokens: int = 50
+    initial_entropy_tokens: int = _SECTION.initial_entropy_tokens
     """AEPO: length of the short generation that measures H_root."""
-    entropy_mode: str = "topk_proxy"
+    entropy_mode: str = _SECTION.entropy_mode
     """round entropy: `topk_proxy` (the reference's top-k sum / ln|V|) or `full` (exact, mean)."""
-    entropy_window: int = 20
+    entropy_window: int = _SECTION.entropy_window
     """round entropy uses the first ≤ entropy_window tokens generated in the round."""
-    entropy_topk: int = 10
+    entropy_topk: int = _SECTION.entropy_topk
     """top-k log-probs per position requested from the engine (for topk_proxy)."""
-    response_length: int = 512
+    response_length: int = _SECTION.response_length
     """max response tokens per trajectory, generated and tool-result tokens together."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    call_limit: int = 3
+    temperature: float = _SECTION.temperature
+    top_p: float = _SECTION.top_p
+    top_k: int = _SECTION.top_k
+    call_limit: int = _SECTION.tools.call_limit
     """tool calls per trajectory; the next call ends the trajectory with a forced (masked) EOS."""
-    max_rounds: int | None = None
+    max_rounds: int | None = _SECTION.max_rounds
     """optional cap on rounds per generate call; trajectories still short of n are then duplicated."""
-    seed: int = 0
+    seed: int = _SECTION.seed
     """seeds every branch draw and sampling seed, with the training step: same seed → same tree."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """validation sampling (`rollout.val_kwargs`): greedy by default, n = 1, never branches."""

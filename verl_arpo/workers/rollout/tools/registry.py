@@ -32,16 +32,16 @@ Differences from the reference executor, and why:
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from verl_arpo.utils.job_config import ToolsConfig, from_mapping
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, uses_run
 
 logger = logging.getLogger(__name__)
@@ -50,28 +50,6 @@ _ALIASES = {
     "verl.workers.rollout.tools.": "verl_arpo.workers.rollout.tools.",
     "verl.workers.agent.tools.": "verl_arpo.workers.rollout.tools.",
 }
-
-
-@dataclass
-class ToolsConfig:
-    """The ``tools`` section of the rollout config."""
-
-    call_limit: int = 3
-    """maximum tool calls per trajectory (the rollout enforces it)"""
-    max_workers: int = 64
-    """tool calls running at the same time"""
-    timeout: float = 120.0
-    """wall-clock seconds for one call, retries and backoff included"""
-    retry_count: int = 3
-    """extra attempts after an exception or an empty result"""
-    retry_backoff: float = 0.5
-    """seconds before the first retry; doubles each time (ours, not in the seeds)"""
-    verbose_logging: bool = False
-    """log every call (tag, seconds, ok)"""
-    fail_on_error: bool = False
-    """raise when a tool fails to load instead of skipping it with a warning"""
-    tool_instances: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """name -> {class_path, params}"""
 
 
 def _to_plain(cfg: Any) -> dict[str, Any]:
@@ -97,13 +75,10 @@ def load_tools_config(cfg: ToolsConfig | Mapping | str | Path | Any) -> ToolsCon
     raw = _to_plain(cfg)
     if "tools" in raw and isinstance(raw["tools"], Mapping) and "tool_instances" not in raw:
         raw = _to_plain(raw["tools"])
-    known = {f.name for f in dataclasses.fields(ToolsConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        logger.warning("tools config: ignoring unknown keys %s", unknown)
-    out = ToolsConfig(**{k: v for k, v in raw.items() if k in known})
-    out.tool_instances = {str(k): dict(_to_plain(v)) for k, v in (out.tool_instances or {}).items()}
-    return out
+    raw = dict(raw)
+    # a tool file without tool_instances has no tools (not the trainer's default python + search)
+    raw["tool_instances"] = {str(k): dict(_to_plain(v)) for k, v in (raw.get("tool_instances") or {}).items()}
+    return from_mapping(ToolsConfig, raw, "tools")  # an unknown key is an error naming it
 
 
 def resolve_class(class_path: str) -> type:
