@@ -202,6 +202,9 @@ def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:
     multi = _select(c, f"{r}.multi_turn.enable", True)
     if multi not in (True, False, ""):
         add(f"{r}.multi_turn.enable", f"must be true or false, got {multi!r}")
+    elif multi is False:  # accepted for the seeds' scripts (true or an unset variable), never ignored
+        add(f"{r}.multi_turn.enable", "false is not implemented: the rollout is always the multi-turn tool loop; "
+            "set it to true (a single-turn run is a tool config without tool_instances)")
     if name == "vllm":
         tp = _as_int(_select(c, f"{r}.tensor_model_parallel_size", 1))
         gpus = _as_int(_select(c, "trainer.n_gpus_per_node", 1))
