@@ -14,7 +14,7 @@ echo "Switched to parent directory: $PARENT_DIR"
 # ============================ Environment Setup ============================
 export PYTHONUNBUFFERED=1
 export HYDRA_FULL_ERROR=1
-export VLLM_ATTENTION_BACKEND=XFORMERS
+# (the reference exported VLLM_ATTENTION_BACKEND=XFORMERS, a vLLM V0 workaround that current vLLM rejects)
 export VERL_LOGGING_LEVEL=DEBUG
 export MKL_SERVICE_FORCE_INTEL=1
 export MKL_THREADING_LAYER=GNU

@@ -201,6 +201,7 @@ RULES = [  # (override, key named in the error)
     ("actor_rollout_ref.rollout.branch_rule=beam", "actor_rollout_ref.rollout.branch_rule"),
     ("actor_rollout_ref.rollout.multi_turn.enable=false", "actor_rollout_ref.rollout.multi_turn.enable"),
     ("actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.rollout.enforce_eager"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.tensor_model_parallel_size"),
     ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", "actor_rollout_ref.actor.policy_loss.loss_mode"),
     ("trainer.logger=[console,mlflow]", "trainer.logger"),

@@ -205,11 +205,13 @@ def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:
     elif multi is False:  # accepted for the seeds' scripts (true or an unset variable), never ignored
         add(f"{r}.multi_turn.enable", "false is not implemented: the rollout is always the multi-turn tool loop; "
             "set it to true (a single-turn run is a tool config without tool_instances)")
-    if name == "vllm":
-        tp = _as_int(_select(c, f"{r}.tensor_model_parallel_size", 1))
-        gpus = _as_int(_select(c, "trainer.n_gpus_per_node", 1))
-        if tp is None or tp < 1 or (gpus and gpus % tp):
-            add(f"{r}.tensor_model_parallel_size", f"must be >= 1 and divide trainer.n_gpus_per_node={gpus}")
+    tp = _as_int(_select(c, f"{r}.tensor_model_parallel_size", 1))
+    if tp is None or tp < 1:
+        add(f"{r}.tensor_model_parallel_size", "must be an integer >= 1")
+    elif tp > 1:  # refused, not ignored: each engine lives in one worker (one GPU) and holds the whole model
+        add(f"{r}.tensor_model_parallel_size", f"{tp} is not implemented: every rollout engine runs inside one "
+            "worker on one device and holds the whole model; set it to 1 (a model whose weights plus KV cache do "
+            "not fit in gpu_memory_utilization of one GPU cannot be trained here yet)")
 
 
 def _check_batches(c: DictConfig, add: Callable[[str, str], None]) -> None:
