@@ -404,3 +404,26 @@ def test_kl_loss_with_zero_weight_is_off(model):
         actor_grad(model, data, use_kl_loss=True, kl_loss_coef=0.1)
     assert [kl_term_active(*a) for a in [(True, 0.0), (True, "0"), (False, 0.1), (True, None), (True, 1e-3)]] == \
         [False, False, False, False, True]
+
+
+@pytest.mark.parametrize("apply", [True, False])
+def test_rollout_correction_weights_the_update_and_logs_the_mismatch(model, apply):
+    """[issue 17, item 11] With the engine's log-probs in the batch the mismatch is logged; with
+    algorithm.rollout_is the update equals the plain update with advantages × min(π_old/π_rollout, cap)."""
+    data = make_batch(model.config.vocab_size, seed=8)
+    g = torch.Generator().manual_seed(1)
+    old, mask = data.batch["old_log_probs"], data.batch["response_mask"]
+    data.batch["rollout_log_probs"] = old + 0.3 * torch.randn(old.shape, generator=g)
+    data.meta_info["rollout_is"] = dict(threshold=1.2, level="token", mode="truncate", apply=apply)
+    got, metrics = actor_grad(model, data)
+    delta = (old - data.batch["rollout_log_probs"])[mask.bool()]
+    assert metrics["mismatch/log_prob_abs_diff"][0] == pytest.approx(delta.abs().mean().item(), rel=1e-5)
+    assert metrics["mismatch/kl"][0] == pytest.approx((-delta).mean().item(), rel=1e-5, abs=1e-7)
+    plain = copy.deepcopy(data)
+    plain.meta_info.pop("rollout_is")
+    if apply:
+        w = torch.exp(old - data.batch["rollout_log_probs"]).clamp(max=1.2) * mask
+        plain.batch["advantages"] = plain.batch["advantages"] * w
+    want, plain_metrics = actor_grad(model, plain)
+    assert "mismatch/rollout_is_mean" in metrics and "mismatch/rollout_is_mean" not in plain_metrics
+    assert_grads_close(got, want)

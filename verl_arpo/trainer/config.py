@@ -328,6 +328,17 @@ def _check_algorithm(c: DictConfig, add: Callable[[str, str], None]) -> None:
     ctrl = _select(c, "algorithm.kl_ctrl.type", "fixed")
     if ctrl not in KL_CTRL_TYPES:
         add("algorithm.kl_ctrl.type", f"unknown {ctrl!r}; accepted: {list(KL_CTRL_TYPES)}")
+    from verl_arpo.trainer.ppo.rollout_mismatch import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES
+
+    cap = _select(c, "algorithm.rollout_is_threshold")
+    if cap is not None and (_as_float(cap) is None or _as_float(cap) <= 0):
+        add("algorithm.rollout_is_threshold", "must be null (off) or a number > 0 (e.g. 2.0)")
+    if _select(c, "algorithm.rollout_is", False) is True and cap is None:
+        add("algorithm.rollout_is", "needs algorithm.rollout_is_threshold (the weight cap, e.g. 2.0)")
+    for leaf, choices in (("rollout_is_level", ROLLOUT_IS_LEVELS), ("rollout_is_mode", ROLLOUT_IS_MODES)):
+        value = _select(c, f"algorithm.{leaf}", choices[0])
+        if value not in choices:
+            add(f"algorithm.{leaf}", f"unknown or not implemented {value!r}; accepted: {list(choices)}")
     loss = _select(c, f"{AR}.actor.policy_loss.loss_mode", "vanilla")
     if not _is_one_of(loss, POLICY_LOSS_REGISTRY):
         add(f"{AR}.actor.policy_loss.loss_mode", f"unknown {loss!r}; accepted: {sorted(POLICY_LOSS_REGISTRY)}")

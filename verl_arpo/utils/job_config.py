@@ -336,6 +336,10 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
+    rollout_is_threshold: float | None = None
+    rollout_is: bool = False
+    rollout_is_level: str = "token"
+    rollout_is_mode: str = "truncate"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
 

@@ -316,6 +316,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     entropy_balanced_clipping: bool = False,
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clipped PPO surrogate with dual clip; returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower).
@@ -332,6 +333,9 @@ def compute_policy_loss(
     with A > 0 and r > 1+ε_h keep the gradient −A·(1+ε_h)·∇logπ instead of zero. Lower and dual
     clip are unchanged. Like the AEPO reference, this applies to *all* tokens and uses no entropy
     threshold (the paper motivates it by high-entropy tokens; the code never tests entropy).
+
+    Rollout correction (`rollout_is_weights` w, detached, see rollout_mismatch.py): L ← w·L per token
+    before aggregation, the truncated importance weight of π_old against the rollout engine.
     """
     check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
                      response_mask=response_mask)
@@ -359,6 +363,8 @@ def compute_policy_loss(
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(loss3, clipped), clipped)
     pg_clipfrac_lower = masked_mean((torch.gt(clipped, loss3) & negative).float(), response_mask)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower

@@ -223,6 +223,10 @@ class RayPPOTrainer:
             if self.use_critic:
                 with timed("update_critic", timing):
                     metrics.update(reduce_metrics(self.critic_wg.update_critic(batch).meta_info["metrics"]))
+            if cfg.algorithm.rollout_is_threshold is not None:  # rollout correction (rollout_mismatch.py)
+                batch.meta_info["rollout_is"] = {
+                    "threshold": float(cfg.algorithm.rollout_is_threshold), "level": cfg.algorithm.rollout_is_level,
+                    "mode": cfg.algorithm.rollout_is_mode, "apply": bool(cfg.algorithm.rollout_is)}
             if int(cfg.trainer.critic_warmup) < step:
                 with timed("update_actor", timing):
                     metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch).meta_info["metrics"]))

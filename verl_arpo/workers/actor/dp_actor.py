@@ -36,6 +36,7 @@ import torch
 
 from verl_arpo.trainer.ppo.core_algos import (agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn,
                                               kl_penalty, kl_term_active)
+from verl_arpo.trainer.ppo.rollout_mismatch import mismatch_metrics, rollout_is_weights
 from verl_arpo.utils.job_config import ActorConfig, from_mapping
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
@@ -147,8 +148,13 @@ class DataParallelPPOActor:
             mode = "entropy_balanced"
         return get_policy_loss_fn(mode)
 
-    def _micro_loss(self, micro, temperature: float, agg: dict, policy_loss_fn) -> tuple[torch.Tensor, dict]:
-        """Loss of one micro-batch (already scaled to the mini-batch objective) and its metrics."""
+    def _micro_loss(self, micro, temperature: float, agg: dict, policy_loss_fn,
+                    rollout_is: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """Loss of one micro-batch (already scaled to the mini-batch objective) and its metrics.
+
+        With the engine's `rollout_log_probs` in the batch, the rollout–training mismatch metrics
+        are recorded; with `rollout_is` (the trainer's algorithm.rollout_is_* settings) the capped
+        importance weights too, and applied to the policy loss when `rollout_is["apply"]`."""
         c = self.config
         mode = c.loss_agg_mode
         entropy_coeff = float(c.entropy_coeff)
@@ -166,11 +172,20 @@ class DataParallelPPOActor:
         if aepo_adv:
             advantages = compute_entropy_aware_advantage(advantages, entropy.detach(), mask,
                                                          alpha=float(c.entropy_advantage_alpha))
+        stats, loss_kwargs = {}, dict(agg)
+        if "rollout_log_probs" in micro.keys():
+            stats.update(mismatch_metrics(old_log_prob, micro["rollout_log_probs"], mask))
+            if rollout_is is not None:
+                weights, is_stats = rollout_is_weights(old_log_prob, micro["rollout_log_probs"], mask,
+                                                       rollout_is["threshold"], rollout_is["level"], rollout_is["mode"])
+                stats.update(is_stats)
+                if rollout_is["apply"]:
+                    loss_kwargs["rollout_is_weights"] = weights
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
-            loss_agg_mode=mode, config=c, **agg)
+            loss_agg_mode=mode, config=c, **loss_kwargs)
         loss = pg_loss
-        stats = dict(pg_loss=pg_loss.item(), pg_clipfrac=clipfrac.item(), ppo_kl=ppo_kl.item(),
+        stats.update(pg_loss=pg_loss.item(), pg_clipfrac=clipfrac.item(), ppo_kl=ppo_kl.item(),
                      pg_clipfrac_lower=clipfrac_lower.item())
         if entropy is not None:  # H of the policy being updated ("actor/entropy" is the rollout policy's)
             n = mask.sum().clamp(min=1)
@@ -208,6 +223,12 @@ class DataParallelPPOActor:
                 raise KeyError("use_kl_loss is on with kl_loss_coef != 0 but the batch has no 'ref_log_prob': "
                                "run compute_ref_log_prob first")
             keys.append("ref_log_prob")
+        if "rollout_log_probs" in data.batch.keys():  # the engine's own log-probs: mismatch metrics
+            keys.append("rollout_log_probs")
+        rollout_is = data.meta_info.get("rollout_is")  # set by the trainer when rollout_is_threshold is set
+        if rollout_is is not None and "rollout_log_probs" not in data.batch.keys():
+            raise KeyError("algorithm.rollout_is_threshold is set but the batch has no 'rollout_log_probs' "
+                           "(the engine's log-probs): the rollout must record them")
         batch = data.select(batch_keys=keys).batch
         if "response_mask" in data.batch.keys():
             batch["response_mask"] = data.batch["response_mask"]
@@ -229,7 +250,7 @@ class DataParallelPPOActor:
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
                 for micro in micro_batches:
-                    loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn)
+                    loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
                     loss.backward()
                     sums["pg_loss"] += stats.pop("pg_loss")
                     if "kl_loss" in stats:
@@ -238,7 +259,7 @@ class DataParallelPPOActor:
                 grad_norm = clip_grad_and_step(self.actor_module, self.actor_optimizer,
                                                c.grad_clip, "actor")
                 for k, v in {**sums, **means.means()}.items():
-                    metrics[f"actor/{k}"].append(v)
+                    metrics[k if "/" in k else f"actor/{k}"].append(v)  # mismatch/* keep their prefix
                 metrics["actor/grad_norm"].append(grad_norm)
         if self.use_kl_loss:  # inactive KL loss: actor/kl_loss and actor/kl_coef are not logged
             metrics["actor/kl_coef"] = float(c.kl_loss_coef)
