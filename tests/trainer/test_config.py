@@ -324,6 +324,20 @@ def test_parse_logger_and_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="trainer.device"):
             resolve_device("cuda")
+    assert resolve_device("auto", gpus=1) == "cuda" and resolve_device("auto", gpus=0) == "cpu"
+    with pytest.raises(ConfigError, match="neither the Ray cluster"):
+        resolve_device("cuda", gpus=0)
+
+
+def test_auto_device_follows_the_ray_cluster_not_the_driver():
+    """[issue 17, item 9] A driver without CUDA on a cluster with GPUs must give GPU workers: once Ray is
+    up, auto resolves from the cluster's GPU resources (here a local cluster that declares one GPU)."""
+    code = ("import ray; ray.init(num_cpus=1, num_gpus=1, include_dashboard=False); "
+            "from verl_arpo.trainer.config import cluster_gpus, resolve_device; "
+            "print(cluster_gpus(), resolve_device('auto')); ray.shutdown()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["1", "cuda"]
 
 
 # ------------------------------------------------------------------------------------------- secrets

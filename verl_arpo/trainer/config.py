@@ -3,7 +3,7 @@
     validate_config(cfg)   every bad value at once, as a ConfigError naming the key and the fix
     normalize_config(cfg)  a new config with the run-time fields filled (verl's batch-size semantics)
     mask_secrets(cfg)      a plain dict safe to print or log (API keys, tokens, passwords → ***)
-    resolve_device(cfg)    trainer.device=auto → cuda when visible, else cpu
+    resolve_device(cfg)    trainer.device=auto → cuda when the Ray cluster (or this machine) has a GPU
 
 Batch sizes follow verl: the user gives `data.train_batch_size` and `actor.ppo_mini_batch_size` in
 *prompts*; each prompt becomes `rollout.n` trajectories (ARPO's branches fill the group up to n), and
@@ -418,7 +418,8 @@ def _check_trainer(c: DictConfig, add: Callable[[str, str], None]) -> None:
     device = _select(c, "trainer.device", "auto")
     if device not in DEVICES:
         add("trainer.device", f"unknown {device!r}; accepted: {list(DEVICES)}")
-    elif device == "cuda":
+    elif device == "cuda" and not _select(c, "ray_init.address"):
+        # a local cluster is this machine; a remote one is checked against its resources after Ray is up
         import torch
 
         if not torch.cuda.is_available():
@@ -478,17 +479,31 @@ def validate_config(cfg: DictConfig | Mapping) -> None:
 # ------------------------------------------------------------------------------------------------
 # normalization
 # ------------------------------------------------------------------------------------------------
-def resolve_device(cfg: DictConfig | Mapping | str) -> str:
-    """"cuda" or "cpu" for trainer.device (auto → cuda when torch sees a GPU). Accepts the config or the value."""
+def cluster_gpus() -> int:
+    """GPUs the workers can get: the Ray cluster's GPU resources once Ray is up (a CPU-only head node
+    of a GPU cluster must still give GPU workers), else this machine's CUDA devices."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return int(ray.cluster_resources().get("GPU", 0))
+    except ImportError:  # pragma: no cover - ray is a hard dependency
+        pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(cfg: DictConfig | Mapping | str, gpus: int | None = None) -> str:
+    """"cuda" or "cpu" for trainer.device: auto → cuda when the workers can get a GPU (`gpus`,
+    default `cluster_gpus()`). Accepts the config or the value."""
     device = cfg if isinstance(cfg, str) else (_select(_as_omegaconf(cfg), "trainer.device", "auto"))
     if device not in DEVICES:
         raise ConfigError([("trainer.device", f"unknown {device!r}; accepted: {list(DEVICES)}")])
-    import torch
-
-    has_cuda = torch.cuda.is_available()
+    has_cuda = (cluster_gpus() if gpus is None else int(gpus)) > 0
     if device == "cuda" and not has_cuda:
-        raise ConfigError([("trainer.device", "cuda requested but no CUDA device is visible: use "
-                            "trainer.device=cpu or trainer.device=auto")])
+        raise ConfigError([("trainer.device", "cuda requested but neither the Ray cluster nor this machine has a "
+                            "GPU: use trainer.device=cpu or trainer.device=auto")])
     if device == "auto":
         return "cuda" if has_cuda else "cpu"
     return device

@@ -109,7 +109,7 @@ class RayPPOTrainer:
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
-        use_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        use_gpu = cfg.trainer.device == "cuda"  # resolved by normalize_config from the cluster's resources
         self.resource_pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
                                              use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1)
         self.actor_rollout_wg = RayWorkerGroup(
