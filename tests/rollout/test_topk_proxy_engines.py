@@ -70,3 +70,14 @@ def test_topk_rows_include_the_sampled_token_on_both_engines(model, tiny_tokeniz
     want_h = sum(-sum(math.exp(v) * v for v in row) for row in expected[:20]) / math.log(vocab)
     for out in (hf_out, vllm_out):
         assert branching.topk_proxy_entropy(out.topk_logprobs, vocab, window=20) == pytest.approx(want_h, rel=1e-4)
+
+
+def test_vllm_runs_in_process_on_every_device():
+    """[issue 17, item 5] One code path: the engine is in-process on GPU as on CPU; the CPU recipe
+    (KV cache size, thread binding) only on CPU. Read without starting vLLM."""
+    from verl_arpo.workers.rollout.engines.vllm_engine import engine_env_defaults
+
+    gpu, cpu = engine_env_defaults(on_cpu=False), engine_env_defaults(on_cpu=True)
+    assert gpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert not any(k.startswith("VLLM_CPU_") for k in gpu)
+    assert {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"} <= cpu.keys()

@@ -46,21 +46,20 @@ _INSTALL_HINT = (
 )
 
 
-def _cpu_env_defaults() -> None:
-    """The vLLM-CPU recipe of docs ENVIRONMENT.md, set only where the user has not set it:
-    a small KV cache, OpenMP threads bound to the CPUs we may use, no reserved CPU, an in-process
-    engine (3 s start instead of a worker process), and pickled callables for collective_rpc."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
-    defaults = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }
-    for k, v in defaults.items():
-        os.environ.setdefault(k, v)
+def engine_env_defaults(on_cpu: bool) -> dict[str, str]:
+    """The environment vLLM is started with, where the user has not set it. On every device the engine
+    runs *in this process* (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): a separate engine process would see
+    the trainer's GPU memory as used and refuse `gpu_memory_utilization`, and the weight sync would
+    have to serialise every tensor across the process boundary; in-process, collective_rpc calls our
+    update function directly. On the CPU also the vLLM-CPU recipe: a small KV cache, OpenMP threads
+    bound to the CPUs we may use, no reserved CPU."""
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    if on_cpu:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            list(range(os.cpu_count() or 1))
+        defaults.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    return defaults
 
 
 def _checkpoint_names(model_path: str) -> set[str] | None:
@@ -104,8 +103,8 @@ class VLLMEngine(InferenceEngine):
         import torch
 
         on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            _cpu_env_defaults()   # before `import vllm`: some settings are read at import
+        for key, value in engine_env_defaults(on_cpu).items():  # before `import vllm`: read at import
+            os.environ.setdefault(key, value)
         try:
             import vllm
         except ImportError as e:
