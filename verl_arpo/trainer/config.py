@@ -15,8 +15,7 @@ call is a no-op instead of dividing twice.
 Not checked here: anything that needs the model or the data loaded (prompt lengths, vocabulary),
 tool YAML contents (the tool registry reports those when it builds the tools).
 
-Secret masking departs from a plain "key contains token" rule: `token` only matches as a key
-*suffix* (`hf_token`, `access_token`), so `ppo_max_token_len_per_gpu` and `tokenizer` stay visible.
+Secret masking lives in verl_arpo/utils/secrets.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from collections.abc import Callable, Mapping
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_arpo.utils.job_config import ConfigError, JobConfig, not_implemented_problems
+from verl_arpo.utils.secrets import SECRET_ENV_VARS, MASK, is_secret_key, mask_secrets, mask_text  # noqa: F401
+from verl_arpo.utils.tracking import LOGGER_BACKENDS, parse_logger
 
 __all__ = ["ConfigError", "validate_config", "normalize_config", "mask_secrets", "mask_text",
            "resolve_device", "parse_logger", "resolve_project_path", "PROJECT_ROOT", "LOGGER_BACKENDS"]
@@ -38,7 +39,6 @@ __all__ = ["ConfigError", "validate_config", "normalize_config", "mask_secrets",
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """The repository root (the folder holding configs/ and verl_arpo/)."""
 
-LOGGER_BACKENDS = ("console", "wandb", "tensorboard", "jsonl")
 ROLLOUT_NAMES = ("hf", "vllm")
 ROLLOUT_MODES = ("sync_with_tool",)
 DEVICES = ("auto", "cuda", "cpu")
@@ -48,10 +48,6 @@ WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 STRATEGIES = ("fsdp", "fsdp2")
 
-SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-"""Environment variables whose values are masked wherever they appear inside a string."""
-MASK = "***"
-_SECRET_KEY = re.compile(r"api_?key|secret|password|passwd|credential|token$", re.IGNORECASE)
 _MISSING = object()
 
 
@@ -104,16 +100,6 @@ def _is_one_of(value: Any, choices: Any) -> bool:
         return value in choices
     except TypeError:
         return False
-
-
-def parse_logger(value: Any) -> list[str]:
-    """trainer.logger as a list: accepts a list, "console", "console,wandb" or "[console, wandb]"."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple, ListConfig)):
-        return [str(v).strip() for v in value]
-    text = str(value).strip().strip("[]")
-    return [part.strip().strip("'\"") for part in text.split(",") if part.strip().strip("'\"")]
 
 
 def resolve_project_path(path: str | os.PathLike) -> Path:
@@ -563,49 +549,3 @@ def normalize_config(cfg: DictConfig | Mapping) -> DictConfig:
     out.trainer.config_normalized = True
     OmegaConf.set_struct(out, True)
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# secrets
-# ------------------------------------------------------------------------------------------------
-def is_secret_key(key: Any) -> bool:
-    """True for keys holding credentials: *api_key*, *secret*, *password*, *credential*, *token (suffix)."""
-    return bool(_SECRET_KEY.search(str(key)))
-
-
-def mask_text(text: str) -> str:
-    """`text` with the values of SECRET_ENV_VARS (when set, >= 4 chars) replaced by ***."""
-    for name in SECRET_ENV_VARS:
-        value = os.environ.get(name, "")
-        if len(value) >= 4 and value in text:
-            text = text.replace(value, MASK)
-    return text
-
-
-def _mask(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: (MASK if is_secret_key(k) and v not in (None, "") else _mask(v)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_mask(v) for v in value]
-    if isinstance(value, str):
-        return mask_text(value)
-    return value
-
-
-def mask_secrets(cfg: DictConfig | Mapping | Any) -> dict:
-    """A plain dict copy of `cfg` with secret values replaced by *** (see is_secret_key, mask_text).
-
-    Accepts a DictConfig (resolved when possible; a ??? value stays ???) or any mapping.
-    Null / empty secrets stay as they are, so the printout shows that no key is set.
-    """
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        try:
-            plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-        except Exception:  # an interpolation that cannot resolve (e.g. to a ??? value)
-            plain = OmegaConf.to_container(cfg, resolve=False)
-    elif isinstance(cfg, Mapping):
-        plain = {k: (OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v)
-                 for k, v in cfg.items()}
-    else:
-        raise TypeError(f"mask_secrets expects a config or a mapping, got {type(cfg).__name__}")
-    return _mask(plain)

@@ -31,9 +31,26 @@ from pathlib import Path
 from typing import Any, TextIO
 from collections.abc import Mapping, Sequence
 
-from verl_arpo.trainer.config import LOGGER_BACKENDS, mask_secrets, mask_text, parse_logger
+from omegaconf import ListConfig
 
-__all__ = ["Tracking", "ConsoleBackend", "JsonlBackend", "TensorboardBackend", "WandbBackend", "CONSOLE_KEYS"]
+from verl_arpo.utils.secrets import mask_secrets, mask_text
+
+__all__ = ["Tracking", "ConsoleBackend", "JsonlBackend", "TensorboardBackend", "WandbBackend", "CONSOLE_KEYS",
+           "LOGGER_BACKENDS", "parse_logger"]
+
+LOGGER_BACKENDS = ("console", "wandb", "tensorboard", "jsonl")
+
+
+def parse_logger(value: Any) -> list[str]:
+    """trainer.logger as a list: accepts a list, "console", "console,wandb" or "[console, wandb]"."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [str(v).strip() for v in value]
+    text = str(value).strip().strip("[]")
+    return [part.strip().strip("'\"") for part in text.split(",") if part.strip().strip("'\"")]
+
+
 
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("critic/score/mean", "score"),

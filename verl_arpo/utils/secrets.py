@@ -1,0 +1,67 @@
+"""Secrets never reach logs, dumps, caches or checkpoints: masking for configs and free text.
+
+    mask_secrets(cfg)   a plain dict copy of a config with credential values replaced by ***
+    mask_text(text)     `text` with the values of SECRET_ENV_VARS replaced by ***
+
+A key holds a credential when it matches *api_key*, *secret*, *password*, *credential*, or ends in
+`token` (`hf_token`, `access_token`) — so `ppo_max_token_len_per_gpu` and `tokenizer` stay visible.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+__all__ = ["SECRET_ENV_VARS", "MASK", "is_secret_key", "mask_text", "mask_secrets"]
+
+SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+"""Environment variables whose values are masked wherever they appear inside a string."""
+MASK = "***"
+_SECRET_KEY = re.compile(r"api_?key|secret|password|passwd|credential|token$", re.IGNORECASE)
+
+
+def is_secret_key(key: Any) -> bool:
+    """True for keys holding credentials: *api_key*, *secret*, *password*, *credential*, *token (suffix)."""
+    return bool(_SECRET_KEY.search(str(key)))
+
+
+def mask_text(text: str) -> str:
+    """`text` with the values of SECRET_ENV_VARS (when set, >= 4 chars) replaced by ***."""
+    for name in SECRET_ENV_VARS:
+        value = os.environ.get(name, "")
+        if len(value) >= 4 and value in text:
+            text = text.replace(value, MASK)
+    return text
+
+
+def _mask(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: (MASK if is_secret_key(k) and v not in (None, "") else _mask(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask(v) for v in value]
+    if isinstance(value, str):
+        return mask_text(value)
+    return value
+
+
+def mask_secrets(cfg: DictConfig | Mapping | Any) -> dict:
+    """A plain dict copy of `cfg` with secret values replaced by *** (see is_secret_key, mask_text).
+
+    Accepts a DictConfig (resolved when possible; a ??? value stays ???) or any mapping.
+    Null / empty secrets stay as they are, so the printout shows that no key is set.
+    """
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        try:
+            plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except Exception:  # an interpolation that cannot resolve (e.g. to a ??? value)
+            plain = OmegaConf.to_container(cfg, resolve=False)
+    elif isinstance(cfg, Mapping):
+        plain = {k: (OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v)
+                 for k, v in cfg.items()}
+    else:
+        raise TypeError(f"mask_secrets expects a config or a mapping, got {type(cfg).__name__}")
+    return _mask(plain)
