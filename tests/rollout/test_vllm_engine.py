@@ -89,7 +89,12 @@ def test_sampled_logprobs_equal_reforward(vllm_engine, hf, prompts):
     tok_ids = torch.tensor(out.token_ids)
     assert close(out.logprobs, logp.gather(1, tok_ids[:, None])[:, 0].tolist())
     assert close(out.entropy, (-(logp.exp() * logp).sum(-1)).tolist())
-    assert close(out.topk_logprobs, logp.topk(3).values.tolist())
+    top = logp.topk(3)
+    # [issue 15] the top 3, then the sampled token's log-prob when it is not among them (as the HF engine)
+    want = [v + ([] if t in ids else [lp]) for v, ids, t, lp in
+            zip(top.values.tolist(), top.indices.tolist(), out.token_ids, out.logprobs)]
+    assert [len(r) for r in out.topk_logprobs] == [len(r) for r in want]
+    assert all(close(g, w) for g, w in zip(out.topk_logprobs, want))
 
 
 def test_stop_strings_and_seeds(vllm_engine, tok, prompts):

@@ -35,9 +35,10 @@ def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
     """mean |δ|, the k1 and k3 KL estimates over the valid tokens (see the module docstring)."""
     delta = (old_log_prob - rollout_log_prob).detach().float()
     mask = response_mask.float()
-    return {"mismatch/log_prob_abs_diff": masked_mean(delta.abs(), mask).item(),
-            "mismatch/kl": masked_mean(-delta, mask).item(),
-            "mismatch/k3_kl": masked_mean(torch.expm1(delta) - delta, mask).item()}
+    # one host transfer for the three numbers (this runs once per micro-batch of the update)
+    values = torch.stack([masked_mean(delta.abs(), mask), masked_mean(-delta, mask),
+                          masked_mean(torch.expm1(delta) - delta, mask)]).tolist()
+    return dict(zip(("mismatch/log_prob_abs_diff", "mismatch/kl", "mismatch/k3_kl"), values))
 
 
 def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -54,6 +55,5 @@ def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
         delta = delta.sum(-1, keepdim=True).clamp(-20.0, 20.0).expand_as(delta)
     raw = torch.exp(delta) * mask
     weights = raw.clamp(max=threshold)
-    metrics = {"mismatch/rollout_is_mean": masked_mean(weights, mask).item(),
-               "mismatch/rollout_is_fraction_high": masked_mean((raw > threshold).to(mask.dtype), mask).item()}
-    return weights.detach(), metrics
+    values = torch.stack([masked_mean(weights, mask), masked_mean((raw > threshold).to(mask.dtype), mask)]).tolist()
+    return weights.detach(), dict(zip(("mismatch/rollout_is_mean", "mismatch/rollout_is_fraction_high"), values))
