@@ -198,8 +198,8 @@ class Worker:
     def init_process_group(self, backend: str | None = None, timeout_seconds: float = 1800.0) -> None:
         """Join the group's ``torch.distributed`` default process group (no-op if already joined).
 
-        ``backend`` defaults to ``nccl`` with CUDA, else ``gloo`` (:mod:`verl_arpo.utils.device`);
-        on GPU the local device is selected first. A gloo group spanning hosts
+        ``backend`` defaults to ``cpu:gloo,cuda:nccl`` with CUDA, else ``gloo``
+        (:mod:`verl_arpo.utils.device`); with NCCL in it the local device is selected first. A gloo group spanning hosts
         (:meth:`spans_hosts`) binds to the interface of this node's Ray IP unless
         ``GLOO_SOCKET_IFNAME`` is set (:func:`pick_gloo_interface`); on one host gloo keeps its
         default (the address the host name resolves to, often loopback). ``timeout_seconds``
@@ -217,9 +217,9 @@ class Worker:
                 "RayWorkerGroup (or torchrun) before calling init_process_group()"
             )
         backend = backend or get_dist_backend()
-        if backend == "nccl":
+        if "nccl" in backend:
             set_local_device(self.local_rank)
-        elif backend == "gloo" and self.spans_hosts():
+        if "gloo" in backend and self.spans_hosts():
             pick_gloo_interface()
         dist.init_process_group(
             backend=backend,

@@ -204,7 +204,7 @@ def init_distributed(device_pref: str) -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")  # CPU sums go over gloo
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if use_cuda:

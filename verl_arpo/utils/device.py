@@ -1,8 +1,11 @@
 """Which device and which torch.distributed backend this process uses.
 
-One rule for the whole code base ("Device independence" in the architecture notes): ``cuda`` + ``nccl``
-when a CUDA device is visible to this process, else ``cpu`` + ``gloo``. verl also knows NPUs
-(``hccl``); we do not: there is no way to test them here.
+One rule for the whole code base ("Device independence" in the architecture notes): ``cuda`` when a
+CUDA device is visible to this process, else ``cpu``. The process group is always able to reduce
+CPU tensors: ``cpu:gloo,cuda:nccl`` on GPU (one group, each collective routed by its tensor's
+device: CPU bookkeeping — loss counts, micro-batch counts, offloaded parameters and their
+gradients — goes over gloo, everything on the GPU over NCCL), plain ``gloo`` on CPU. verl also
+knows NPUs (``hccl``); we do not: there is no way to test them here.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ def get_device_name() -> str:
 
 
 def get_dist_backend() -> str:
-    """``"nccl"`` when a CUDA device is visible, else ``"gloo"``."""
-    return "nccl" if is_cuda_available() else "gloo"
+    """``"cpu:gloo,cuda:nccl"`` when a CUDA device is visible, else ``"gloo"``."""
+    return "cpu:gloo,cuda:nccl" if is_cuda_available() else "gloo"
 
 
 def get_torch_device():

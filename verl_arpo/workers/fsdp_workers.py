@@ -23,13 +23,14 @@ import torch
 from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
-from verl_arpo.utils.device import get_device_name
+from verl_arpo.utils.device import get_device_name, set_local_device
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
 from verl_arpo.workers.training_core import (
     attn_implementation,
     build_adamw,
     build_lr_scheduler,
     fsdp_mixed_precision,
+    init_sharded_model,
     load_causal_lm,
     maybe_reshard,
     move_optimizer_state,
@@ -53,10 +54,16 @@ class _FSDPModelMixin:
     def save_checkpoint(self, local_path: str, global_step: int = 0):
         self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
 
+    def _param_offload(self, fsdp_cfg) -> bool:
+        """param_offload keeps the sharded parameters (and their gradients and Adam moments) in host
+        memory, FSDP2 moving each unit to the device for its compute; on the CPU there is nothing to
+        offload from."""
+        return bool(fsdp_cfg.param_offload) and self.device.type != "cpu"
+
     def _shard(self, model, fsdp_cfg, train: bool):
         return shard_fsdp2(model, self._mesh(), mp_policy=fsdp_mixed_precision(fsdp_cfg.mixed_precision, self.device_name),
                            reshard_after_forward=fsdp_cfg.reshard_after_forward,
-                           cpu_offload=fsdp_cfg.param_offload and self.device_name == "cuda", train=train)
+                           cpu_offload=self._param_offload(fsdp_cfg), train=train)
 
 
 class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
@@ -82,7 +89,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 
         self.init_process_group()
-        torch.manual_seed(int(seed) + self.rank)
+        self.device = set_local_device(self.local_rank)
+        torch.manual_seed(int(seed))  # rank 0's init (LoRA adapters) is broadcast to every rank
         mcfg = self.config.model
         if mcfg.external_lib:  # registers custom model classes with the Auto* factories
             import importlib
@@ -97,29 +105,36 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.actor_module = self.actor = self.ref_module = None
 
         def load(train: bool):
-            return load_causal_lm(path, attn=mcfg.attn_implementation, trust_remote_code=mcfg.trust_remote_code,
-                                  override_config=mcfg.override_config,
-                                  gradient_checkpointing=train and mcfg.enable_gradient_checkpointing,
-                                  lora_rank=mcfg.lora_rank if train else 0, lora_alpha=mcfg.lora_alpha,
-                                  target_modules=mcfg.target_modules).to(self.device_name)
+            kw = dict(attn=mcfg.attn_implementation, trust_remote_code=mcfg.trust_remote_code,
+                      override_config=mcfg.override_config,
+                      gradient_checkpointing=train and mcfg.enable_gradient_checkpointing,
+                      lora_rank=mcfg.lora_rank if train else 0, lora_alpha=mcfg.lora_alpha,
+                      target_modules=mcfg.target_modules)
+            fsdp_cfg = (acfg if train else self.config.ref).fsdp_config
+            return init_sharded_model(lambda: load_causal_lm(path, **kw), lambda: load_causal_lm(path, empty=True, **kw),
+                                      lambda m: self._shard(m, fsdp_cfg, train=train), self.device,
+                                      offload=self._param_offload(fsdp_cfg))
 
         acfg = self.config.actor
-        self.actor_module = self._shard(load(train=True), acfg.fsdp_config, train=True)
+        self.actor_module = load(train=True)
         opt = acfg.optim
         self.actor_optimizer = build_adamw(self.actor_module.parameters(), opt)
         self.lr_scheduler = build_lr_scheduler(self.actor_optimizer, opt, total_training_steps)
         self.actor = DataParallelPPOActor(acfg, self.actor_module, self.actor_optimizer,
-                                          use_remove_padding=mcfg.use_remove_padding, shuffle_seed=seed)
+                                          use_remove_padding=mcfg.use_remove_padding, shuffle_seed=seed,
+                                          device=self.device)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
             checkpoint_contents=tuple(acfg.checkpoint.contents), hf_config=self.hf_config)
         self.need_ref = bool(need_ref)
         if self.need_ref and not self.lora:
-            self.ref_module = self._shard(load(train=False), self.config.ref.fsdp_config, train=False)
+            self.ref_module = load(train=False)
             # log-prob micro-batch sizes come from meta_info (_log_prob_meta); no actor keys apply
-            self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding)
+            self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding,
+                                                   device=self.device)
         self._build_rollout(path)
-        self._sync_rollout_weights()
+        # No weight sync here: the engine loaded the same checkpoint (a fresh LoRA merges to the base
+        # weights, B = 0). A resumed run syncs in load_checkpoint.
 
     def _build_rollout(self, path: str):
         from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
@@ -129,7 +144,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         rcfg = self.config.rollout
         name = rcfg.name
         if name == "hf":
-            engine_kwargs = dict(dtype=rcfg.dtype, device=self.device_name, seed=int(rcfg.seed) + self.rank)
+            engine_kwargs = dict(dtype=rcfg.dtype, device=self.device, seed=int(rcfg.seed) + self.rank)
         else:
             engine_kwargs = dict(gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
                                  tensor_model_parallel_size=int(rcfg.tensor_model_parallel_size),
@@ -144,34 +159,52 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.agent_loop = AgentLoop(self.engine, self.tokenizer, self.tool_executor, loop_cfg)
 
     # ------------------------------------------------------------------ weight sync
-    def _full_named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) one parameter at a time; LoRA merged on the fly: W + s·B@A."""
+    def _weight_plan(self) -> list[tuple[str, torch.Tensor, tuple | None]]:
+        """(HF name, parameter, LoRA (A, B) or None) for every weight the engine gets; no data touched."""
         params = dict(self.actor_module.named_parameters())
-
-        def full(p):
-            return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-
         if not self.lora:
-            for name, p in params.items():
-                yield name, full(p)
-            return
-        scale = float(self.config.model.lora_alpha) / float(self.config.model.lora_rank)
+            return [(name, p, None) for name, p in params.items()]
+        plan = []
         for name, p in params.items():
             if "lora_" in name:
                 continue
             hf_name = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
-            w = full(p)
+            pair = None
             if name.endswith("base_layer.weight"):
                 stem = name[: -len("base_layer.weight")]
                 a, b = params.get(stem + "lora_A.default.weight"), params.get(stem + "lora_B.default.weight")
-                if a is not None and b is not None:
-                    w = w + scale * (full(b) @ full(a))
+                pair = (a, b) if a is not None and b is not None else None
+            plan.append((hf_name, p, pair))
+        return plan
+
+    def _full_named_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one parameter at a time (docs/gpu.md, "Weight sync"): each is
+        gathered, LoRA-merged (W + s·B@A), cast to the engine's `dtype` and handed over before the
+        next is gathered, so the sync holds one full parameter beyond the shards."""
+        scale = float(self.config.model.lora_alpha) / float(self.config.model.lora_rank) if self.lora else 0.0
+
+        def full(p):
+            return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+        for hf_name, p, pair in self._weight_plan():
+            if pair is None and dtype is not None:
+                w = full(p.detach().to(dtype))  # cast the shard, then gather: half the bytes for bf16
+            else:
+                w = full(p)
+            if pair is not None:
+                w = w + scale * (full(pair[1]) @ full(pair[0]))
+            if dtype is not None and w.dtype != dtype:
+                w = w.to(dtype)
             yield hf_name, w
+            del w
 
     def _sync_rollout_weights(self):
         with torch.no_grad():
-            self.engine.update_weights(self._full_named_params())
+            self.engine.check_weight_names([name for name, _, _ in self._weight_plan()])
+            self.engine.update_weights(self._full_named_params(getattr(self.engine, "weight_dtype", None)))
         maybe_reshard(self.actor_module)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -212,13 +245,13 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        offload = bool(self.config.actor.fsdp_config.optimizer_offload) and self.device_name != "cpu"
-        if offload:
-            move_optimizer_state(self.actor_optimizer, self.device_name)
+        offload = bool(self.config.actor.fsdp_config.optimizer_offload) and self.device.type != "cpu"
+        if offload:  # the moments go where their parameters are (the host too, under param_offload)
+            move_optimizer_state(self.actor_optimizer, None)
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this update uses
         metrics = self.actor.update_policy(data)
         if offload:  # keep the moments on the host while rollout and log-probs need the memory
-            move_optimizer_state(self.actor_optimizer, "cpu")
+            move_optimizer_state(self.actor_optimizer, torch.device("cpu"))
         self.lr_scheduler.step()
         metrics["actor/lr"] = lr
         return DataProto(meta_info={"metrics": metrics})
@@ -260,24 +293,34 @@ class CriticWorker(Worker, _FSDPModelMixin):
         from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic
 
         self.init_process_group()
-        torch.manual_seed(int(self.seed) + self.rank)  # the value head's random init: same seed, same critic
+        self.device = set_local_device(self.local_rank)
+        torch.manual_seed(int(self.seed))  # the value head's random init, made on rank 0 and broadcast
         mcfg = self.config.model
         tok = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path, trust_remote_code=mcfg.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(mcfg.path, num_labels=1, trust_remote_code=mcfg.trust_remote_code,
                                                **dict(mcfg.override_config or {}))
         hf_config.classifier_dropout = 0.0  # the value head must be deterministic (Qwen2 defaults to 0.1)
-        model = AutoModelForTokenClassification.from_pretrained(
-            mcfg.path, config=hf_config, torch_dtype=torch.float32,
-            attn_implementation=attn_implementation(mcfg.attn_implementation),
-            trust_remote_code=mcfg.trust_remote_code).to(self.device_name)
-        if mcfg.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.critic_module = self._shard(model, mcfg.fsdp_config, train=True)
+        kw = dict(dtype=torch.float32, attn_implementation=attn_implementation(mcfg.attn_implementation),
+                  trust_remote_code=mcfg.trust_remote_code)
+
+        def build(empty: bool):
+            if empty:
+                with torch.device("meta"):
+                    model = AutoModelForTokenClassification.from_config(hf_config, **kw)
+            else:
+                model = AutoModelForTokenClassification.from_pretrained(mcfg.path, config=hf_config, **kw)
+            if mcfg.enable_gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
+
+        self.critic_module = init_sharded_model(lambda: build(False), lambda: build(True),
+                                                lambda m: self._shard(m, mcfg.fsdp_config, train=True), self.device,
+                                                offload=self._param_offload(mcfg.fsdp_config))
         opt = self.config.optim
         self.critic_optimizer = build_adamw(self.critic_module.parameters(), opt)
         self.lr_scheduler = build_lr_scheduler(self.critic_optimizer, opt, total_training_steps)
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
-                                            shuffle_seed=self.seed)
+                                            shuffle_seed=self.seed, device=self.device)
         self.checkpoint_manager = FSDPCheckpointManager(self.critic_module, self.critic_optimizer, self.lr_scheduler,
                                                         processing_class=tok, hf_config=hf_config)
 

@@ -2,6 +2,8 @@
 "The policy loss shared by all of them").
 
     attn_implementation     the attention backend for a model (flash_attention_2 on CUDA when installed)
+    init_sharded_model      meta-device build + rank-0 load and broadcast: no rank holds more than its shard
+    to_device               the worker's device boundary: one micro-batch in, results back to the host
     shard_fsdp2             FSDP2 `fully_shard` of every decoder layer (the model's _no_split_modules), then the root
     fsdp_mixed_precision    the FSDP2 precision policy: bf16 params / fp32 reduce on CUDA by default, none on CPU
     build_adamw, build_lr_scheduler, move_optimizer_state
@@ -38,7 +40,7 @@ from verl_arpo.utils.job_config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attn_implementation", "load_causal_lm", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
+__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
            "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
            "packing_supported", "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
 
@@ -63,14 +65,20 @@ def attn_implementation(requested: str | None) -> str:
 def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attn: str | None = None,
                    trust_remote_code: bool = False, override_config: dict | None = None,
                    gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: int = 16,
-                   target_modules: str | list = "all-linear") -> torch.nn.Module:
+                   target_modules: str | list = "all-linear", empty: bool = False) -> torch.nn.Module:
     """A Hugging Face causal LM for training: `attn` through attn_implementation, `override_config`
     applied to its config, non-reentrant gradient checkpointing, LoRA adapters (peft) when
-    lora_rank > 0. On the CPU; the caller moves and shards it."""
-    from transformers import AutoModelForCausalLM
+    lora_rank > 0. On the CPU with the checkpoint's weights; with `empty`, the same module on the
+    meta device (no memory, no file read beyond the config) for init_sharded_model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation(attn),
-                                                 trust_remote_code=trust_remote_code, **dict(override_config or {}))
+    kwargs = dict(dtype=dtype, attn_implementation=attn_implementation(attn), trust_remote_code=trust_remote_code)
+    if empty:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **dict(override_config or {}))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs, **dict(override_config or {}))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_rank > 0:
@@ -80,6 +88,52 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attn: str |
         model = get_peft_model(model, LoraConfig(r=int(lora_rank), lora_alpha=int(lora_alpha), target_modules=tm,
                                                  bias="none", task_type="CAUSAL_LM"))
     return model
+
+
+def init_sharded_model(load_full, build_empty, shard, device: torch.device, *, offload: bool = False) -> torch.nn.Module:
+    """Build an FSDP2 model so that no rank holds more than its shard on `device` (docs/gpu.md, "Model init").
+
+    Rank 0 alone reads the checkpoint into host memory (`load_full()`); every rank builds the same
+    module on the meta device (`build_empty()`), shards it (`shard(module)`), allocates only its
+    shard on `device` (the host with `offload`), and receives its slice of every parameter from
+    rank 0 (`set_model_state_dict(..., broadcast_from_rank0=True)`, one parameter at a time).
+    Buffers are not sharded and not all in the state dict (rotary `inv_freq` is non-persistent, and
+    `to_empty` leaves it garbage), so each is copied from rank 0's module and broadcast as it is.
+    Without a process group (one process) the module is rank 0's own, moved to `device`.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return load_full().to(device)
+    rank = dist.get_rank()
+    full = load_full() if rank == 0 else None
+    model = shard(build_empty())
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    state = full.state_dict() if full is not None else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full_buffers = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        if rank == 0:
+            buf.copy_(full_buffers[name])
+        if dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)
+    del full, state, full_buffers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # nothing of the load stays reserved for the engine to trip over
+    return model
+
+
+def to_device(micro, device: torch.device):
+    """The worker's device boundary (docs/gpu.md, "Placement"): a micro-batch (TensorDict) goes to
+    the worker's device right before its forward, so a whole batch never sits on the accelerator;
+    results come back with `.cpu()` where they are collected. No-op on the host."""
+    return micro if device.type == "cpu" else micro.to(device, non_blocking=True)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's (local) parameters; the host for a module without parameters."""
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def fsdp_mixed_precision(mixed_precision: dict | None, device_type: str):
@@ -124,12 +178,15 @@ def build_adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> tor
                              weight_decay=float(optim.weight_decay))
 
 
-def move_optimizer_state(optimizer, device: str) -> None:
-    """Move AdamW moments between the accelerator and host memory (optimizer_offload on GPU)."""
-    for state in optimizer.state.values():
+def move_optimizer_state(optimizer, device: torch.device | None) -> None:
+    """Move AdamW moments to `device` (optimizer_offload: the host between updates), or with None back
+    to the device of each one's parameter — the host too when param_offload keeps the parameters
+    there: a moment on another device than its parameter breaks the step."""
+    for param, state in optimizer.state.items():
+        target = param.device if device is None else device
         for key, value in state.items():
-            if torch.is_tensor(value) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+            if torch.is_tensor(value) and key != "step" and value.device != target:
+                state[key] = value.to(target, non_blocking=True)
 
 
 def build_lr_scheduler(optimizer, optim_cfg: OptimConfig, total_steps: int):

@@ -45,7 +45,8 @@ from verl_arpo.utils.torch_functional import (
     logprobs_from_logits,
 )
 from verl_arpo.workers.training_core import (TokenWeightedMeans, clip_grad_and_step, global_loss_counts, maybe_reshard,
-                                             packing_supported, response_forward, unpack, warn_once)
+                                             module_device, packing_supported, response_forward, to_device, unpack,
+                                             warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 
@@ -60,14 +61,18 @@ class DataParallelPPOActor:
     already normalized to trajectories per rank. use_remove_padding: packed sequences (the worker
     passes `model.use_remove_padding`). shuffle_seed: seeds the mini-batch shuffle (actor.shuffle).
     dp_group: the data-parallel process group for loss counts and micro-batch counts (None = the
-    default group). The reference policy is this class too, with the default ActorConfig: it only
+    default group). device: where the forward runs (the worker's device; default: the device of the
+    module's parameters). Batches arrive and results leave on the host; each micro-batch moves to
+    `device` just before its forward (`to_device`, the worker's device boundary). The reference policy is this class too, with the default ActorConfig: it only
     runs compute_log_prob, whose micro-batch sizes come from meta_info.
     """
 
     def __init__(self, config: ActorConfig | Mapping | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
-                 use_remove_padding: bool = False, shuffle_seed: int = 0, dp_group=None):
+                 use_remove_padding: bool = False, shuffle_seed: int = 0, dp_group=None,
+                 device: torch.device | None = None):
         self.config: ActorConfig = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
         self.actor_module = actor_module
+        self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
         self.dp_group = dp_group
         self.use_remove_padding = bool(use_remove_padding)
@@ -125,9 +130,10 @@ class DataParallelPPOActor:
         log_probs, entropies = [], []
         with torch.no_grad():
             for micro in micro_batches:
-                ent, lp = self._forward_micro_batch(micro, float(meta["temperature"]), calculate_entropy)
-                log_probs.append(lp)
-                entropies.append(ent)
+                ent, lp = self._forward_micro_batch(to_device(micro, self.device), float(meta["temperature"]),
+                                                    calculate_entropy)
+                log_probs.append(lp.cpu())
+                entropies.append(ent.cpu() if ent is not None else None)
         maybe_reshard(self.actor_module)
         log_probs = torch.cat(log_probs, dim=0)
         entropy = torch.cat(entropies, dim=0) if calculate_entropy else None
@@ -250,6 +256,7 @@ class DataParallelPPOActor:
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
                 for micro in micro_batches:
+                    micro = to_device(micro, self.device)
                     loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
                     loss.backward()
                     sums["pg_loss"] += stats.pop("pg_loss")

@@ -31,8 +31,10 @@ from verl_arpo.workers.training_core import (
     clip_grad_and_step,
     global_loss_counts,
     maybe_reshard,
+    module_device,
     packing_supported,
     response_forward,
+    to_device,
     unpack,
 )
 
@@ -46,13 +48,16 @@ class DataParallelPPOCritic:
 
     config: the typed `critic` section (`CriticConfig`, or a mapping of its keys; absent keys take
     the YAML defaults) with ppo_mini_batch_size and ppo_micro_batch_size_per_gpu per rank;
-    packing follows `model.use_remove_padding`. shuffle_seed seeds the mini-batch shuffle.
+    packing follows `model.use_remove_padding`. shuffle_seed seeds the mini-batch shuffle. device:
+    where the forward runs (default: the module's); data comes and values go on the host, each
+    micro-batch crossing to `device` just before its forward (`to_device`).
     """
 
     def __init__(self, config: CriticConfig | Mapping | None, critic_module: torch.nn.Module, critic_optimizer=None,
-                 *, shuffle_seed: int = 0, dp_group=None):
+                 *, shuffle_seed: int = 0, dp_group=None, device: torch.device | None = None):
         self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
         self.critic_module = critic_module
+        self.device = device if device is not None else module_device(critic_module)
         self.critic_optimizer = critic_optimizer
         self.dp_group = dp_group
         self.use_remove_padding = bool(self.config.model.use_remove_padding)
@@ -83,7 +88,7 @@ class DataParallelPPOCritic:
         micro_batches, groups = split_micro_batches(batch, use_dynamic, micro_size, max_len, dp_group=self.dp_group)
         self.critic_module.eval()
         with torch.no_grad():
-            values = torch.cat([self._forward_micro_batch(m) for m in micro_batches], dim=0)
+            values = torch.cat([self._forward_micro_batch(to_device(m, self.device)).cpu() for m in micro_batches], dim=0)
         maybe_reshard(self.critic_module)
         order = [i for g in groups for i in g]
         if order != list(range(len(order))):
@@ -122,6 +127,7 @@ class DataParallelPPOCritic:
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 means, vf_total = TokenWeightedMeans(), 0.0
                 for micro in micro_batches:
+                    micro = to_device(micro, self.device)
                     mask = micro["response_mask"]
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask,

@@ -133,7 +133,13 @@ class InferenceEngine(ABC):
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load new weights given as (HF parameter name, tensor) pairs; cached KV becomes stale and
-        is dropped."""
+        is dropped. The pairs are consumed one at a time and not kept (docs/gpu.md, "Weight sync"):
+        a caller streaming a generator holds at most one full parameter at once. A sleeping
+        engine wakes its weights for the sync, not its KV cache."""
+
+    def check_weight_names(self, names: Iterable[str]) -> None:
+        """Raise (naming the bad names) before a sync whose names this engine does not know, so a
+        wrong sync copies nothing. Engines without a fixed name set accept any."""
 
     def sleep(self) -> None:
         """Free what memory can be freed while the trainer runs (optional)."""

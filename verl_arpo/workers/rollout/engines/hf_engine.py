@@ -183,6 +183,7 @@ class HFEngine(InferenceEngine):
         self._store: dict[str, _KV] = {}   # insertion order = recency (for eviction)
         self._n_cached = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._asleep = False
         self.reuse_kv = bool(kv_cache)
         if kv_cache and (why := _why_no_kv_reuse(self.model)):
             logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
@@ -212,31 +213,44 @@ class HFEngine(InferenceEngine):
     def sleep(self) -> None:
         """Drop the KV store; on an accelerator also move the weights to CPU."""
         self.release()
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not self._asleep:
             self.model.to("cpu")
+            self._asleep = True
 
     def wake(self) -> None:
-        if self.device.type != "cpu":
+        if self._asleep:
             self.model.to(self.device)
+            self._asleep = False
 
-    @torch.no_grad()
-    def update_weights(self, named_tensors) -> None:
-        """Copy (HF name, tensor) pairs into the model in place, then drop all cached KV.
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine computes in: a sync casts each gathered parameter to it first."""
+        return next(self.model.parameters()).dtype
 
-        Strict: every name must be one of the model's `state_dict()` keys and shapes must match;
-        nothing is copied when any pair is wrong."""
+    def check_weight_names(self, names) -> None:
         state = self.model.state_dict(keep_vars=True)
-        items = list(named_tensors)
-        unknown = [n for n, _ in items if n not in state]
+        unknown = [n for n in names if n not in state]
         if unknown:
             raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
                            f"{unknown[:5]}; expected HF names such as {list(state)[:3]}")
-        bad = [(n, tuple(t.shape), tuple(state[n].shape)) for n, t in items
-               if tuple(t.shape) != tuple(state[n].shape)]
-        if bad:
-            raise ValueError(f"update_weights: shape mismatch (name, given, expected): {bad[:5]}")
-        for n, t in items:
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors) -> None:
+        """Copy (HF name, tensor) pairs into the model in place, one at a time, then drop all cached KV.
+
+        Every name must be one of the model's `state_dict()` keys and shapes must match; a wrong
+        pair raises before it is copied (`check_weight_names` first keeps a wrong sync from
+        copying anything). The weights are woken onto the device first, so the copy runs there."""
+        self.wake()
+        state = self.model.state_dict(keep_vars=True)
+        for n, t in named_tensors:
+            if n not in state:
+                self.check_weight_names([n])
+            if tuple(t.shape) != tuple(state[n].shape):
+                raise ValueError(f"update_weights: shape mismatch for {n}: given {tuple(t.shape)}, "
+                                 f"expected {tuple(state[n].shape)}")
             state[n].data.copy_(t.detach())   # copy_ converts dtype and device
+            del t
         self.release()
 
     @torch.no_grad()

