@@ -74,10 +74,10 @@ ROLLOUT_SAVE_PATH="${SAVE_PATH}/rollout"
 
 # ============================ WandB Configuration ============================
 # export WANDB_API_KEY=... before running (never written into this file); empty = console only.
-LOGGER="[console]"
+LOGGER="${LOGGER:-[console]}"      # e.g. LOGGER="[console, jsonl]": metrics.jsonl under the checkpoint folder
 if [ -n "${WANDB_API_KEY:-}" ]; then
     export WANDB_API_KEY WANDB_DIR="${SAVE_PATH}"
-    LOGGER="[console, wandb]"
+    LOGGER="${LOGGER%]}, wandb]"
 fi
 
 case "${ACTOR_MODEL_PATH}${SAVE_PATH}" in

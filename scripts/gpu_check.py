@@ -9,10 +9,11 @@ built on the spot). Rows:
   engine:<e>           generate; update weights (log-probs change, and come back with the old weights);
                        sleep and wake (device memory after each); generate again
   sync_memory:<e>      extra peak device memory of a streamed weight sync, against the largest parameter
-  train:<e>            2 GRPO/ARPO steps of scripts/ARPO_7B_Reasoning_1node.sh on 1 GPU, to a checkpoint
+  train:<e>            2 GRPO/ARPO steps of scripts/ARPO_7B_Reasoning_1node.sh on 1 GPU, to a checkpoint;
+                       for hf also with param+optimizer offload, and with GAE (critic) + LoRA + packing
 
 <e> is hf (our transformers engine) and vllm (when vLLM is installed; else the rows say SKIP).
-Environment: GPU_CHECK_ENGINES (default hf,vllm), GPU_CHECK_DEVICE (cuda; `cpu` runs the same
+Environment: GPU_CHECK_ENGINES (default hf,vllm), GPU_CHECK_VARIANTS (default all), GPU_CHECK_DEVICE (cuda; `cpu` runs the same
 checks on the host — the CI test of this script), GPU_CHECK_OUT (a JSON copy of the table).
 """
 
@@ -141,10 +142,10 @@ def engine_rows(name: str, model_dir: str, device: str) -> None:
     target = torch.device(device)
     dt = getattr(eng, "weight_dtype", None)
 
-    def stream(scale: float):  # what the trainer's sync does: one fresh tensor on the device at a time
-        for k, v in weights.items():
-            t = v.to(target)
-            yield k, (t * scale if scale != 1.0 else t).to(dt or t.dtype)
+    def stream(scale: float):  # what the trainer's sync does: one fresh tensor, in the engine's dtype, on the
+        for k, v in weights.items():  # device at a time
+            t = (v * scale).to(dt or v.dtype).to(target)
+            yield k, t
             del t
 
     eng.update_weights(stream(1.5))
@@ -185,16 +186,36 @@ def engine_rows(name: str, model_dir: str, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def train_row(name: str, model_dir: str, device: str, work: Path) -> None:
-    save = work / f"train_{name}"
+# Training variants of the hf engine beyond the plain run (GPU_CHECK_VARIANTS=base,offload,gae_lora_packed):
+# the offload paths, the critic, LoRA and packed sequences each run their own code on the device.
+VARIANTS = {
+    "base": [],
+    "offload": ["actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"],
+    "gae_lora_packed": ["algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=8",
+                        "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"],
+}
+
+
+def _last_metrics(save: Path) -> dict:
+    files = sorted(save.rglob("metrics.jsonl"))
+    if not files:
+        return {}
+    lines = [json.loads(x) for x in files[-1].read_text().splitlines() if x.strip()]
+    return lines[-1] if lines else {}
+
+
+def train_row(name: str, model_dir: str, device: str, work: Path, variant: str = "base") -> None:
+    label = name if variant == "base" else f"{name}+{variant}"
+    save = work / f"train_{label}"
     env = dict(os.environ, PYTHON=sys.executable, ACTOR_MODEL_PATH=model_dir, SAVE_PATH=str(save),
                N_GPUS_PER_NODE="1", TRAIN_BATCH_SIZE="2", PPO_MINI_BATCH_SIZE="1", MAX_PROMPT_LENGTH="256",
                MAX_RESPONSE_LENGTH="128", ROLLOUT_N="4", INITIAL_ROLLOUTS="2", TOTAL_EPOCHS="1", SAVE_FREQ="2",
                TEST_FREQ="-1", ROLLOUT_NAME=name, USE_REMOVE_PADDING="False",
                SEARCH_CLASS_PATH="verl_arpo.workers.rollout.tools.local_search_tool.LocalSearchTool",
                SEARCH_CACHE_PATH=str(work / f"search_cache_{name}.sqlite"), RAY_USAGE_STATS_ENABLED="0",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    overrides = [f"trainer.device={device}", "trainer.total_training_steps=2",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", LOGGER="[console, jsonl]")
+    overrides = [*VARIANTS[variant], f"trainer.device={device}", "trainer.total_training_steps=2",
                  "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.max_model_len=1024"]
     if device == "cpu":
         overrides += ["ray_init.num_cpus=2", "actor_rollout_ref.rollout.dtype=float32"]
@@ -202,16 +223,21 @@ def train_row(name: str, model_dir: str, device: str, work: Path) -> None:
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "ARPO_7B_Reasoning_1node.sh"), *overrides], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)
     out = proc.stdout + proc.stderr
-    (work / f"train_{name}.log").write_text(out)
+    (work / f"train_{label}.log").write_text(out)
     steps = STEP_LINE.findall(out)
     done = (save / "global_step_2" / "checkpoint_complete.json").is_file()
     ok = proc.returncode == 0 and [int(s) for s, _, _ in steps] == [1, 2] and done
+    metrics = _last_metrics(save)
+    keep = {k: metrics[k] for k in ("mismatch/log_prob_abs_diff", "mismatch/k3_kl", "actor/grad_norm",
+                                    "critic/vf_loss", "timing_s/update_actor", "timing_s/gen",
+                                    "perf/max_memory_allocated_gb") if k in metrics}
     detail = (f"{len(steps)} steps, step_s {', '.join(t for _, _, t in steps)}, checkpoint: {done}, "
-              f"{time.time() - t0:.0f} s")
+              f"{time.time() - t0:.0f} s; " + ", ".join(f"{k} {v:.4g}" for k, v in keep.items()
+                                                       if isinstance(v, (int, float))))
     if not ok:
         tail = "\n".join(out.strip().splitlines()[-25:])
-        detail += f"; exit {proc.returncode}; log {work / f'train_{name}.log'}\n{tail}"
-    row(f"train:{name}", "PASS" if ok else "FAIL", detail)
+        detail += f"; exit {proc.returncode}; log {work / f'train_{label}.log'}\n{tail}"
+    row(f"train:{label}", "PASS" if ok else "FAIL", detail, metrics=keep)
 
 
 def main() -> int:
@@ -233,10 +259,13 @@ def main() -> int:
             engine_rows(name, model_dir, device)
         except Exception:  # noqa: BLE001 - a failed check is a row, the others still run
             row(f"engine:{name}", "FAIL", traceback.format_exc(limit=6))
-        try:
-            train_row(name, model_dir, device, work)
-        except Exception:  # noqa: BLE001
-            row(f"train:{name}", "FAIL", traceback.format_exc(limit=6))
+        variants = ["base"] if name == "vllm" else [
+            v for v in os.environ.get("GPU_CHECK_VARIANTS", ",".join(VARIANTS)).split(",") if v]
+        for variant in variants:
+            try:
+                train_row(name, model_dir, device, work, variant)
+            except Exception:  # noqa: BLE001
+                row(f"train:{name}+{variant}", "FAIL", traceback.format_exc(limit=6))
     print("\n| check | result | detail |\n| --- | --- | --- |")
     for r in ROWS:
         print(f"| {r['check']} | {r['status']} | {r['detail'].splitlines()[0]} |")

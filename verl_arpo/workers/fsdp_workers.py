@@ -33,6 +33,7 @@ from verl_arpo.workers.training_core import (
     init_sharded_model,
     load_causal_lm,
     maybe_reshard,
+    memory_metrics,
     move_optimizer_state,
     shard_fsdp2,
 )
@@ -254,6 +255,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             move_optimizer_state(self.actor_optimizer, torch.device("cpu"))
         self.lr_scheduler.step()
         metrics["actor/lr"] = lr
+        metrics.update(memory_metrics(self.device))
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -40,7 +40,7 @@ from verl_arpo.utils.job_config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
+__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "memory_metrics", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
            "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
            "packing_supported", "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
 
@@ -128,6 +128,25 @@ def to_device(micro, device: torch.device):
     the worker's device right before its forward, so a whole batch never sits on the accelerator;
     results come back with `.cpu()` where they are collected. No-op on the host."""
     return micro if device.type == "cpu" else micro.to(device, non_blocking=True)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """verl's memory metrics of this worker: perf/max_memory_allocated_gb and perf/max_memory_reserved_gb
+    (device peaks since the last call, which resets them; CUDA only) and perf/cpu_memory_used_gb (this
+    process's resident host memory)."""
+    out = {}
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            out["perf/cpu_memory_used_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:  # not Linux
+        pass
+    return out
 
 
 def module_device(module: torch.nn.Module) -> torch.device:

@@ -216,6 +216,8 @@ class HFEngine(InferenceEngine):
         if self.device.type != "cpu" and not self._asleep:
             self.model.to("cpu")
             self._asleep = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back, as vLLM's sleep does
 
     def wake(self) -> None:
         if self._asleep:
