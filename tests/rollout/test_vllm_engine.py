@@ -166,3 +166,48 @@ def test_update_weights(vllm_engine, hf, tok, prompts):
     vllm_engine.update_weights(state.items())
     hf.update_weights(state.items())
     assert vllm_engine.generate([req("a", prompts[0], 8)])[0].token_ids == before.token_ids
+
+
+_PASS_THROUGH = r'''
+import json, sys
+import torch
+from transformers import AutoTokenizer
+from safetensors.torch import load_file
+from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams
+from verl_arpo.workers.rollout.engines.vllm_engine import VLLMEngine
+from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
+model_dir = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(model_dir)
+eng = VLLMEngine(model_dir, tok, dtype="float32", max_model_len=1024, seed=0, enforce_eager=True,
+                 max_num_seqs=3, max_num_batched_tokens=1536, load_format="dummy")
+cfg = eng.llm.llm_engine.vllm_config
+prompt = tok.encode("Who founded the town of Veltmoor?")
+g = SamplingParams(greedy=True, logprobs_topk=0)
+def run(e):
+    return e.generate([GenRequest("a", list(prompt), 8, [], g)])[0].token_ids
+want = run(HFEngine(model_dir, tok, dtype="float32"))
+before = run(eng)
+eng.update_weights(load_file(model_dir + "/model.safetensors").items())
+after = run(eng)
+print(json.dumps(dict(max_num_seqs=cfg.scheduler_config.max_num_seqs,
+                      max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+                      enforce_eager=cfg.model_config.enforce_eager, load_format=str(cfg.load_config.load_format),
+                      dummy_differs=before != want, synced_equal=after == want)))
+'''
+
+
+def test_rollout_keys_reach_vllm(model_dir):
+    """max_num_seqs, max_num_batched_tokens, enforce_eager and load_format reach vLLM's config; with
+    load_format=dummy the engine starts from random weights and a sync makes it the checkpoint's model
+    (the worker syncs at init in that case). A fresh process: one vLLM engine per process here."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    out = subprocess.run([sys.executable, "-c", _PASS_THROUGH, str(model_dir)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == dict(max_num_seqs=3, max_num_batched_tokens=1536, enforce_eager=True, load_format="dummy",
+                       dummy_differs=True, synced_equal=True)

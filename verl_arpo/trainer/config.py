@@ -198,6 +198,16 @@ def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:
         add(f"{r}.tensor_model_parallel_size", f"{tp} is not implemented: every rollout engine runs inside one "
             "worker on one device and holds the whole model; set it to 1 (a model whose weights plus KV cache do "
             "not fit in gpu_memory_utilization of one GPU cannot be trained here yet)")
+    if _select(c, f"{r}.name", "hf") == "hf":  # vLLM's engine keys: the HF engine has no such setting
+        for leaf, default in VLLM_ONLY_KEYS.items():
+            value = _select(c, f"{r}.{leaf}", default)
+            if value != default:
+                add(f"{r}.{leaf}", f"{value!r} applies to the vLLM engine only (rollout.name=vllm); the hf engine has "
+                    f"no such setting: remove the override or set it back to {default!r}")
+
+
+# vLLM engine arguments passed through from the rollout section, with their YAML defaults
+VLLM_ONLY_KEYS = {"enforce_eager": True, "load_format": "auto", "max_num_batched_tokens": 8192, "max_num_seqs": 1024}
 
 
 def _check_batches(c: DictConfig, add: Callable[[str, str], None]) -> None:

@@ -57,9 +57,9 @@ class _FSDPModelMixin:
 
     def _param_offload(self, fsdp_cfg) -> bool:
         """param_offload keeps the sharded parameters (and their gradients and Adam moments) in host
-        memory, FSDP2 moving each unit to the device for its compute; on the CPU there is nothing to
-        offload from."""
-        return bool(fsdp_cfg.param_offload) and self.device.type != "cpu"
+        memory, FSDP2 moving each unit to the device for its compute. On the CPU the same code path
+        runs (its copies are no-ops), so CPU runs test it."""
+        return bool(fsdp_cfg.param_offload)
 
     def _shard(self, model, fsdp_cfg, train: bool):
         return shard_fsdp2(model, self._mesh(), mp_policy=fsdp_mixed_precision(fsdp_cfg.mixed_precision, self.device_name),
@@ -134,8 +134,11 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding,
                                                    device=self.device)
         self._build_rollout(path)
-        # No weight sync here: the engine loaded the same checkpoint (a fresh LoRA merges to the base
-        # weights, B = 0). A resumed run syncs in load_checkpoint.
+        # No weight sync here when the engine loaded the same checkpoint (a fresh LoRA merges to the
+        # base weights, B = 0); a resumed run syncs in load_checkpoint. With vLLM's load_format=dummy
+        # the engine starts from random weights and gets the actor's now.
+        if self.config.rollout.load_format != "auto":
+            self._sync_rollout_weights()
 
     def _build_rollout(self, path: str):
         from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
@@ -151,7 +154,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                  tensor_model_parallel_size=int(rcfg.tensor_model_parallel_size),
                                  enable_prefix_caching=bool(rcfg.enable_prefix_caching),
                                  dtype=rcfg.dtype, seed=int(rcfg.seed) + self.rank,
-                                 max_model_len=rcfg.max_model_len or int(rcfg.prompt_length) + int(rcfg.response_length))
+                                 max_model_len=rcfg.max_model_len or int(rcfg.prompt_length) + int(rcfg.response_length),
+                                 enforce_eager=bool(rcfg.enforce_eager), load_format=str(rcfg.load_format),
+                                 max_num_seqs=int(rcfg.max_num_seqs),
+                                 max_num_batched_tokens=int(rcfg.max_num_batched_tokens))
         self.engine = build_engine(name, path, self.tokenizer, **engine_kwargs)
         self.tool_executor = ToolExecutor.from_config(rcfg.tools)
         call_limit = self.tool_executor.call_limit if self.tool_executor else 0
@@ -212,7 +218,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self.engine.wake()
         out = self.agent_loop.generate_sequences(prompts)
-        self.engine.sleep()
+        if self.config.rollout.free_cache_engine:  # free the KV cache (vLLM) / weights (hf) for training
+            self.engine.sleep()
         return out
 
     def _log_prob_meta(self, data: DataProto, cfg) -> DataProto:
@@ -246,7 +253,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        offload = bool(self.config.actor.fsdp_config.optimizer_offload) and self.device.type != "cpu"
+        offload = bool(self.config.actor.fsdp_config.optimizer_offload)  # a no-op on the CPU, same path
         if offload:  # the moments go where their parameters are (the host too, under param_offload)
             move_optimizer_state(self.actor_optimizer, None)
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this update uses

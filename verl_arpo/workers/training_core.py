@@ -177,7 +177,7 @@ def shard_fsdp2(model: torch.nn.Module, mesh, *, mp_policy=None, reshard_after_f
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs CUDA
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_names:

