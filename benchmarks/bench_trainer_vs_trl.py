@@ -181,7 +181,6 @@ def main(argv=None):
     t_start, load0 = time.time(), os.getloadavg()
     tmp = tmpdir("bench_trl_")
     spec = grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps, micro=a.micro)
-    model = spec["model"]
     ours_variants = [int(w) for w in str(a.workers).split(",")]
     ok, why = trl_status()
     variants = [int(x) for x in a.trl_threads.split(",")]   # TRL torch threads; 0 = torch's default

@@ -137,7 +137,6 @@ def main(argv=None):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     tmp = tmpdir("profile_step_")
     spec = dict(grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps), out_dir=str(tmp / "run"))
-    model = spec["model"]
     t0 = time.time()
     text = (f"profile_step: model={a.model or 'tiny'} P={a.prompts} n={a.n} response={a.response_length} "
             f"load average {os.getloadavg()[0]:.1f}\n\n" + profile_ours(spec, a.top))

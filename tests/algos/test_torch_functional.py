@@ -26,6 +26,26 @@ def test_logprobs_and_entropy_match_definitions():
         F.logprobs_from_logits(logits, labels[:, :2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_value_and_gradient_equal_log_softmax(dtype):
+    """The chunked custom backward against autograd through a plain float32 log_softmax."""
+    g = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(7, 13, 37, generator=g)).to(dtype)
+    labels = torch.randint(0, 37, (7, 13), generator=g)
+    weights = torch.randn(7, 13, generator=g)
+    ours = logits.clone().requires_grad_(True)
+    ref = logits.clone().requires_grad_(True)
+    lp = F.logprobs_from_logits(ours, labels, chunk_size=5)  # 91 rows: 19 chunks, the last one short
+    want = torch.log_softmax(ref.float(), dim=-1).gather(-1, labels[..., None])[..., 0]
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, want, rtol=0, atol=1e-5)
+    (lp * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert ours.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.grad.float(), ref.grad.float(), rtol=0, atol=tol)
+
+
 def test_masked_stats():
     v = torch.tensor([[1.0, 2.0, 100.0], [3.0, float("nan"), 4.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 1]])

@@ -301,3 +301,19 @@ def test_kv_store_cap_and_shared_module_mode(model, tiny_tokenizer, prompts):
     kept = [len(kv.tokens) for kv in eng._store.values()]
     assert eng.cached_tokens() == sum(kept) and (sum(kept) <= 40 or len(kept) == 1)
     assert len(kept) < len(prompts)
+
+
+def test_statistics_window(tiny_model_dir, tiny_tokenizer, prompts):
+    """Top-k and entropies for the first stats_window positions only; sampling is unchanged."""
+    import dataclasses
+
+    eng = HFEngine(tiny_model_dir, tiny_tokenizer, dtype="float32")
+    sp = SamplingParams(temperature=1.0, logprobs_topk=3, full_entropy=True)
+    reqs = [GenRequest(f"r{i}", list(p), 12, [], sp, seed=i) for i, p in enumerate(prompts)]
+    full = eng.generate(reqs)
+    eng.release()
+    win = eng.generate([dataclasses.replace(r, sampling=dataclasses.replace(sp, stats_window=4)) for r in reqs])
+    for a, b in zip(full, win):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert b.topk_logprobs[:4] == a.topk_logprobs[:4] and all(x == [] for x in b.topk_logprobs[4:])
+        assert b.entropy == a.entropy[:4]

@@ -211,3 +211,20 @@ def test_rollout_keys_reach_vllm(model_dir):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == dict(max_num_seqs=3, max_num_batched_tokens=1536, enforce_eager=True, load_format="dummy",
                        dummy_differs=True, synced_equal=True)
+
+
+def test_statistics_window_costs_only_its_tokens(vllm_engine, tok, prompts):
+    """With stats_window = w the round runs as two calls (statistics for w tokens, then none): greedy
+    tokens and log-probs are those of one call, and top-k lists stop after w (a stop string that
+    straddles the two calls: tests/rollout/test_engine_contract.py)."""
+    import dataclasses
+
+    whole = SamplingParams(greedy=True, logprobs_topk=4, full_entropy=False)
+    w = 6
+    windowed = dataclasses.replace(whole, stats_window=w)
+    one = vllm_engine.generate([req("a", prompts[1], 30, whole)])[0]
+    two = vllm_engine.generate([req("a", prompts[1], 30, windowed)])[0]
+    assert len(one.token_ids) > w + 3
+    assert two.token_ids == one.token_ids and two.finish_reason == one.finish_reason
+    assert close(two.logprobs, one.logprobs)
+    assert two.topk_logprobs[:w] == one.topk_logprobs[:w] and all(x == [] for x in two.topk_logprobs[w:])

@@ -260,6 +260,7 @@ class RolloutSection:
     initial_entropy_tokens: int = 50
     max_rounds: int | None = None
     seed: int = 0
+    seed_requests: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     tools: ToolsConfig = field(default_factory=ToolsConfig)

@@ -42,18 +42,56 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
             )
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """log softmax(logits)[labels], computed as −cross-entropy so the [.., V] log-softmax is never kept.
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True,
+                         chunk_size: int = 2048) -> torch.Tensor:
+    """log softmax(logits)[labels] = z_y − logsumexp(z), `chunk_size` rows at a time in float32.
 
-    logits: [..., V]; labels: [...] → [...]. (`inplace_backward` is accepted for verl compatibility.)
+    logits: [..., V]; labels: [...] → [...] (float32). Only a chunk × V float32 temporary ever
+    exists, forward and backward (`_ChunkedLogProb`): the gradient (onehot(y) − softmax(z))·g is
+    written chunk by chunk into a tensor of the logits' dtype. For bf16 logits of 16k tokens over a
+    152k vocabulary that is ~1.2 GB of temporaries at chunk 2048 instead of a 9.7 GB float32 copy
+    kept for the backward (docs/gpu.md, "Logits memory"). (`inplace_backward` is accepted for verl
+    compatibility.)
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"`labels` shape {tuple(labels.shape)} must equal `logits` shape without the vocab dim "
                          f"{tuple(logits.shape[:-1])}")
+    if chunk_size <= 0:
+        raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
     flat = logits.reshape(-1, logits.shape[-1])
-    out = -F.cross_entropy(flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat,
-                           labels.reshape(-1), reduction="none")
+    out = _ChunkedLogProb.apply(flat, labels.reshape(-1), int(chunk_size))
     return out.view(labels.shape)
+
+
+class _ChunkedLogProb(torch.autograd.Function):
+    """z_y − logsumexp(z) per row, float32 chunks; saves the logits (no copy) and each row's logsumexp."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for i in range(0, logits.shape[0], chunk):
+            z = logits[i:i + chunk].float()
+            lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
+            out[i:i + chunk] = z.gather(1, labels[i:i + chunk, None])[:, 0] - lse[i:i + chunk]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        in_place = grad.dtype == torch.float32  # then computed in the gradient's own memory: no temporary
+        for i in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(i, i + ctx.chunk)
+            g = grad_out[rows, None].float()
+            d = grad[rows] if in_place else torch.empty(grad[rows].shape, device=grad.device)
+            torch.sub(logits[rows].float(), lse[rows, None], out=d)
+            d.exp_().mul_(-g).scatter_add_(1, labels[rows, None], g)  # (onehot(y) − p)·g
+            if not in_place:
+                grad[rows] = d
+        return grad, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

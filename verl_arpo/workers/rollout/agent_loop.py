@@ -92,6 +92,9 @@ class RolloutConfig:
     """optional cap on rounds per generate call; trajectories still short of n are then duplicated."""
     seed: int = _SECTION.seed
     """seeds every branch draw and sampling seed, with the training step: same seed → same tree."""
+    seed_requests: bool = _SECTION.seed_requests
+    """give every generation request its own sampling seed (reproducible trees); off, the engine's
+    own stream samples (vLLM then draws the whole batch at once: no per-request generator)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """validation sampling (`rollout.val_kwargs`): greedy by default, n = 1, never branches."""
 
@@ -224,6 +227,7 @@ class AgentLoop:
             n, rule = int(meta.get("n", cfg.n)), cfg.active_branch_rule
         sp.logprobs_topk = cfg.entropy_topk if cfg.entropy_mode == "topk_proxy" else 0
         sp.full_entropy = cfg.entropy_mode == "full"
+        sp.stats_window = cfg.entropy_window  # the branch rule reads no statistics past it
         return n, rule, sp
 
     def _unpad_prompts(self, prompts: DataProto) -> list[list[int]]:
@@ -248,7 +252,7 @@ class AgentLoop:
         requests = [GenRequest(request_id=t.traj_id, prompt_ids=t.prompt_ids + t.response_ids,
                                max_new_tokens=min(max_new or cfg.response_length, cfg.response_length - len(t.response_ids)),
                                stop=self.stop_strings if tools else [], sampling=sampling, parent_id=t.parent_id,
-                               seed=int(rng.integers(2**31 - 1)))
+                               seed=int(rng.integers(2**31 - 1)) if cfg.seed_requests else None)
                     for t in active]
         outputs = self.engine.generate(requests)
         calls: list[tuple[Trajectory, str, str]] = []

@@ -54,6 +54,10 @@ class SamplingParams:
     """how many top log-probs per generated position to return (0 = none)."""
     full_entropy: bool = True
     """also return the exact full-vocabulary entropy per position when the engine can."""
+    stats_window: int | None = None
+    """top-k log-probs and entropies are needed for the first `stats_window` generated positions of
+    the call only (the branch rule reads `rollout.entropy_window` of them): past it, topk lists are
+    empty and the entropy list ends, and engines skip the work (None = every position)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -93,9 +97,10 @@ class GenOutput:
     """log-prob of each generated token under the sampled-from distribution (see module doc)."""
     topk_logprobs: list[list[float]]
     """per position, the top-k log-prob values, descending, followed by the sampled token's when it
-    is not among the top k (`topk_with_sampled`); empty lists when k = 0."""
+    is not among the top k (`topk_with_sampled`); empty lists when k = 0 and past `stats_window`."""
     entropy: list[float] | None
-    """exact full-vocabulary entropy per position, or None if the engine cannot provide it."""
+    """exact full-vocabulary entropy per position up to `stats_window`, or None if the engine cannot
+    provide it."""
 
 
 def topk_with_sampled(top_ids: Sequence[int], top_values: Sequence[float], token: int, token_logprob: float,

