@@ -78,3 +78,27 @@ def test_precision_and_attention_defaults():
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.float16, torch.float32)
     assert attn_implementation("eager") == "eager"
     assert attn_implementation(None) == ("sdpa" if not torch.cuda.is_available() else attn_implementation(None))
+
+
+def test_dense_packing_on_cuda_warns_once(tiny_model_dir, caplog):
+    """sdpa packing on CUDA costs N² attention: one loud warning; flash attention or the host: none."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from verl_arpo.workers import training_core as tc
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    tc._warned.discard("dense_packing")
+    with caplog.at_level(logging.WARNING, logger=tc.__name__):
+        tc.warn_if_dense_packing(model, torch.device("cpu"))
+        assert not caplog.records
+        tc.warn_if_dense_packing(model, torch.device("cuda", 0))
+        tc.warn_if_dense_packing(model, torch.device("cuda", 0))
+    assert len(caplog.records) == 1 and "flash-attn" in caplog.records[0].getMessage()
+    caplog.clear()
+    tc._warned.discard("dense_packing")
+    model.config._attn_implementation = "flash_attention_2"
+    with caplog.at_level(logging.WARNING, logger=tc.__name__):
+        tc.warn_if_dense_packing(model, torch.device("cuda", 0))
+    assert not caplog.records

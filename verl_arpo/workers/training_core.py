@@ -40,7 +40,7 @@ from verl_arpo.utils.job_config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "memory_metrics", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
+__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "memory_metrics", "warn_if_dense_packing", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
            "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
            "packing_supported", "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
 
@@ -257,6 +257,18 @@ def packing_supported(module: torch.nn.Module) -> tuple[bool, str]:
     if attn not in PACKING_ATTN_IMPLEMENTATIONS:
         return False, f"attn_implementation {attn!r} does not separate packed sequences"
     return True, ""
+
+
+def warn_if_dense_packing(module: torch.nn.Module, device: torch.device) -> None:
+    """Packing on CUDA without flash attention: transformers builds a dense N×N block mask for sdpa,
+    so attention costs N² over the packed tokens instead of B·S² — warn once, loudly (install
+    flash-attn, README "Install on a GPU machine", or set use_remove_padding=False)."""
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if device.type == "cuda" and attn not in ("flash_attention_2", "flash_attention_3"):
+        warn_once("dense_packing", "!" * 78 + f"\nuse_remove_padding=True with attn_implementation={attn!r} on CUDA: packed "
+                  "rows get a dense N x N attention mask (N = tokens of a micro-batch), which costs more than the "
+                  "padding it saves. Install flash-attn (pip install flash-attn --no-build-isolation) or set "
+                  "actor_rollout_ref.model.use_remove_padding=False.\n" + "!" * 78)
 
 
 def _pack(micro, response_length: int) -> dict | None:

@@ -46,7 +46,7 @@ from verl_arpo.utils.torch_functional import (
 )
 from verl_arpo.workers.training_core import (TokenWeightedMeans, clip_grad_and_step, global_loss_counts, maybe_reshard,
                                              module_device, packing_supported, response_forward, to_device, unpack,
-                                             warn_once)
+                                             warn_if_dense_packing, warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 
@@ -81,6 +81,8 @@ class DataParallelPPOActor:
             if not ok:
                 warn_once("actor_pack", f"use_remove_padding disabled: {why}; using padded batches")
                 self.use_remove_padding = False
+        if self.use_remove_padding:
+            warn_if_dense_packing(actor_module, self.device)
         self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
         # the same rule normalize_config applies: a KL loss with weight 0 is off (no ref_log_prob read)
         self.use_kl_loss = kl_term_active(self.config.use_kl_loss, self.config.kl_loss_coef)

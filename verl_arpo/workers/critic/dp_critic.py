@@ -36,6 +36,7 @@ from verl_arpo.workers.training_core import (
     response_forward,
     to_device,
     unpack,
+    warn_if_dense_packing,
 )
 
 __all__ = ["DataParallelPPOCritic"]
@@ -66,6 +67,8 @@ class DataParallelPPOCritic:
             if not ok:
                 logger.warning("critic use_remove_padding disabled: %s; using padded batches", why)
                 self.use_remove_padding = False
+        if self.use_remove_padding:
+            warn_if_dense_packing(critic_module, self.device)
         self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
 
     def _forward_micro_batch(self, micro) -> torch.Tensor:
