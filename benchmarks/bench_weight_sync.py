@@ -117,8 +117,17 @@ def main(argv=None) -> None:
     for e in engines:
         s, c = (next(r for r in rows if r["engine"] == e and r["mode"] == m) for m in MODES)
         print(f"{e}: streamed / collected peak growth = {s['growth_mib'] / max(c['growth_mib'], 1e-9):.2f}")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_common import summary_entry
+
+    summary = []
+    for e in engines:
+        s, c = (next(r for r in rows if r["engine"] == e and r["mode"] == m) for m in MODES)
+        summary.append(summary_entry(f"weight-sync extra peak memory MiB, {e}: collected first / streamed "
+                                     f"(largest parameter {s['largest_param_mib']:.0f} MiB)", s["growth_mib"],
+                                     c["growth_mib"], c["growth_mib"] / max(s["growth_mib"], 1e-9), None))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(model=model, rows=rows), indent=2))
+    Path(args.out).write_text(json.dumps(dict(benchmark="weight_sync", model=model, rows=rows, summary=summary), indent=2))
 
 
 if __name__ == "__main__":

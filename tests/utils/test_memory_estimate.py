@@ -1,0 +1,113 @@
+"""verl_arpo.utils.memory_estimate: parameter counts against transformers, and the update phase's
+arithmetic against measured host memory of a real FSDP2 update on CPU (fp32: dtype_bytes=4).
+
+The measured run: one gloo rank, a 4-layer model of ~234 MiB (wide MLP, so parameters dominate as
+they do in a 7B), init through the workers' own init_sharded_model, then one PPO update with
+gradient checkpointing over a micro-batch of known size. Peak RSS growth (VmHWM reset before the
+init) must land within 25% of the estimate's update-phase total (no engine, no reference model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+from verl_arpo.utils import memory_estimate as me
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_presets_count_the_published_sizes():
+    seven, fourteen = me.model_shape("qwen2.5-7b"), me.model_shape("qwen3-14b")
+    assert 7.6e9 < seven.params < 7.7e9  # Qwen2.5-7B: 7.61 B
+    assert 14.7e9 < fourteen.params < 14.8e9  # Qwen3-14B: 14.8 B
+    assert seven.root_params == 2 * 152064 * 3584 + 3584  # untied embedding + head + final norm
+
+
+def test_model_shape_of_a_folder_matches_its_parameters(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    shape = me.model_shape(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == sum(p.numel() for n, p in model.named_parameters() if ".layers.0." in n)
+
+
+def test_offload_moves_the_state_off_the_gpu():
+    m = me.model_shape("qwen2.5-7b")
+    base = dict(world=8, train_tokens=8192, logprob_tokens=16384, response_fraction=0.7, param_offload=False,
+                optimizer_offload=False, gradient_checkpointing=True, engine="vllm", gpu_memory_utilization=0.6,
+                free_cache_engine=True, need_ref=False, ref_param_offload=True)
+    plain = me.estimate(m, me.JobShape(**base), 80 * me.GIB)
+    opt = me.estimate(m, me.JobShape(**{**base, "optimizer_offload": True}), 80 * me.GIB)
+    full = me.estimate(m, me.JobShape(**{**base, "param_offload": True}), 80 * me.GIB)
+    assert plain["rollout"]["adam_moments"] == 8 * m.params / 8 and opt["rollout"]["adam_moments"] == 0
+    assert opt["update"]["adam_moments"] == plain["update"]["adam_moments"]  # back on the GPU for the step
+    assert full["update"]["actor_params"] == full["update"]["adam_moments"] == 0
+    assert plain["rollout"]["engine"] == 0.6 * 80 * me.GIB
+
+
+_MEASURE = r'''
+import json, os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+torch.set_num_threads(2)
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", rank=0, world_size=1)
+import transformers, peft  # noqa: F401  imports are not the job's memory
+from verl_arpo.protocol import DataProto
+from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
+from verl_arpo.workers.training_core import build_adamw, init_sharded_model, load_causal_lm, shard_fsdp2
+model_dir, B, P, R = sys.argv[1], 4, 64, 192
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+mesh = init_device_mesh("cpu", (1,))
+kw = dict(gradient_checkpointing=True)
+model = init_sharded_model(lambda: load_causal_lm(model_dir, **kw), lambda: load_causal_lm(model_dir, empty=True, **kw),
+                           lambda m: shard_fsdp2(m, mesh), torch.device("cpu"))
+opt = build_adamw(model.parameters(), OptimConfig(lr=1e-4))
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(3, model.config.vocab_size, (B, P + R), generator=g)
+attn = torch.ones(B, P + R, dtype=torch.long)
+data = DataProto.from_dict(tensors=dict(input_ids=ids, attention_mask=attn, position_ids=torch.arange(P + R).expand(B, -1).clone(),
+    responses=ids[:, P:], response_mask=torch.ones(B, R), advantages=torch.randn(B, R, generator=g),
+    old_log_probs=-torch.rand(B, R, generator=g)), meta_info={"temperature": 1.0})
+actor = DataParallelPPOActor(dict(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B), model, opt)
+actor.update_policy(data)
+peak = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(json.dumps(dict(growth=peak - before, tokens=B * (P + R), response_fraction=R / (P + R))))
+dist.destroy_process_group()
+'''
+
+
+def test_update_estimate_matches_measured_memory_on_cpu(tmp_path):
+    from verl_arpo.utils.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=0, hidden_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                                num_key_value_heads=2, intermediate_size=4096)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _MEASURE, model_dir, "x", str(port)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    shape = me.model_shape(model_dir)
+    job = me.JobShape(world=1, train_tokens=got["tokens"], logprob_tokens=got["tokens"],
+                      response_fraction=got["response_fraction"], param_offload=False, optimizer_offload=False,
+                      gradient_checkpointing=True, engine="hf", gpu_memory_utilization=0.0, free_cache_engine=True,
+                      need_ref=False, ref_param_offload=True, dtype_bytes=4)
+    update = me.estimate(shape, job, 0)["update"]
+    predicted = update["total"] - update["engine"]
+    print(f"\nestimated {predicted / 2**20:.0f} MiB, measured {got['growth'] / 2**20:.0f} MiB "
+          f"(parameters {4 * shape.params / 2**20:.0f} MiB fp32)")
+    assert 0.75 * predicted <= got["growth"] <= 1.25 * predicted

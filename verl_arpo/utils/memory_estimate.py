@@ -1,0 +1,224 @@
+"""Per-GPU memory of a training job, phase by phase, from the model config and the job config (docs/gpu.md,
+"Memory estimate"). Nothing is loaded: the model is built on the meta device to count its parameters.
+
+    python -m verl_arpo.utils.memory_estimate --script scripts/ARPO_7B_Reasoning_1node.sh --model qwen2.5-7b
+    python -m verl_arpo.utils.memory_estimate --job job.yaml --model /path/to/hf_folder --gpu-gib 80
+
+`--script` runs a launch script with `--cfg job` (its own environment variables apply; placeholder paths
+are filled in when ACTOR_MODEL_PATH / SAVE_PATH are unset) and reads the composed config; `--job`
+reads a config printed that way.
+
+`--model` is an HF folder or config.json, or a preset of the seed scripts' models (PRESETS: their
+public architecture numbers, no download). Phases, each with its own resident set:
+
+  rollout      the engine awake (vLLM reserves gpu_memory_utilization of the GPU) + what the actor keeps
+  log_prob     engine asleep; the actor's no-grad forward over log_prob_max_token_len_per_gpu tokens
+  update       engine asleep; forward + backward over ppo_max_token_len_per_gpu tokens, then AdamW
+  weight_sync  the engine's weights awake + the actor's shard + one gathered parameter
+
+The rules are the ones this code base follows: FSDP2 shards fp32 parameters, gradients and both
+AdamW moments over the world (param_offload keeps all three on the host, optimizer_offload the
+moments between updates); compute is bf16 on CUDA (`dtype_bytes=4` on CPU) with one decoder layer
+all-gathered at a time plus the next one prefetched; gradient checkpointing keeps each layer's
+input; the logits of the response tokens exist once in the compute dtype, their gradient once, and
+the log-prob temporaries are float32 chunks (torch_functional.logprobs_from_logits). Activations
+other than those are an estimate (one layer's working set: attention projections and the MLP);
+`tests/utils/test_memory_estimate.py` checks the arithmetic against measured RSS on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+
+# Public architecture numbers of the seed scripts' models (their config.json), to count parameters offline.
+PRESETS: dict[str, dict] = {
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    layer_params: int       # one decoder layer
+    root_params: int        # embeddings, head, final norm (FSDP2's root unit)
+    largest_param: int
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    q_dim: int
+    layers: int
+    vocab: int
+
+
+def model_shape(model: str) -> ModelShape:
+    """Count the parameters of `model` (preset, HF folder or config.json) on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model in PRESETS:
+        spec = dict(PRESETS[model])
+        cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    else:
+        path = Path(model)
+        cfg = AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path))
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    named = dict(m.named_parameters())
+    layer0 = [k for k in named if ".layers.0." in k]
+    layer = sum(named[k].numel() for k in layer0)
+    total = sum(p.numel() for p in named.values())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelShape(params=total, layer_params=layer, root_params=total - layer * cfg.num_hidden_layers,
+                      largest_param=max(p.numel() for p in named.values()), hidden=cfg.hidden_size,
+                      intermediate=cfg.intermediate_size, kv_dim=cfg.num_key_value_heads * head_dim,
+                      q_dim=cfg.num_attention_heads * head_dim, layers=cfg.num_hidden_layers, vocab=cfg.vocab_size)
+
+
+@dataclass(frozen=True)
+class JobShape:
+    world: int
+    train_tokens: int           # tokens per update micro-batch (ppo_max_token_len_per_gpu, or micro × seq len)
+    logprob_tokens: int         # tokens per log-prob micro-batch
+    response_fraction: float    # share of a micro-batch's tokens that are response tokens (get logits)
+    param_offload: bool
+    optimizer_offload: bool
+    gradient_checkpointing: bool
+    engine: str                 # vllm | hf
+    gpu_memory_utilization: float
+    free_cache_engine: bool
+    need_ref: bool
+    ref_param_offload: bool
+    dtype_bytes: int = 2        # compute dtype: bf16 on CUDA
+    logprob_chunk: int = 2048
+
+
+def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
+    """The numbers that decide memory, from a composed job config (`--cfg job` output, as a dict)."""
+    from verl_arpo.utils.job_config import JobConfig, kl_term_active
+
+    c = JobConfig.from_mapping(job)
+    a, r = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
+    seq = int(c.data.max_prompt_length) + int(c.data.max_response_length)
+    train = int(a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else int(a.ppo_micro_batch_size_per_gpu or 1) * seq
+    logprob = int(r.log_prob_max_token_len_per_gpu) if r.log_prob_use_dynamic_bsz else \
+        int(r.log_prob_micro_batch_size_per_gpu or 1) * seq
+    need_ref = kl_term_active(a.use_kl_loss, a.kl_loss_coef) or kl_term_active(
+        c.algorithm.use_kl_in_reward, c.algorithm.kl_ctrl.kl_coef)
+    return JobShape(world=int(c.trainer.nnodes) * int(c.trainer.n_gpus_per_node), train_tokens=train,
+                    logprob_tokens=logprob, response_fraction=float(c.data.max_response_length) / seq,
+                    param_offload=bool(a.fsdp_config.param_offload), optimizer_offload=bool(a.fsdp_config.optimizer_offload),
+                    gradient_checkpointing=bool(c.actor_rollout_ref.model.enable_gradient_checkpointing),
+                    engine=str(r.name), gpu_memory_utilization=float(r.gpu_memory_utilization),
+                    free_cache_engine=bool(r.free_cache_engine), need_ref=need_ref,
+                    ref_param_offload=bool(c.actor_rollout_ref.ref.fsdp_config.param_offload), dtype_bytes=dtype_bytes)
+
+
+def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, float]]:
+    """Bytes per GPU, per phase and component (see the module docstring for the rules)."""
+    W, b = j.world, j.dtype_bytes
+    shard = 0 if j.param_offload else 4 * m.params / W                        # fp32 parameters
+    moments = 0 if j.param_offload else 8 * m.params / W                      # AdamW exp_avg, exp_avg_sq
+    resident_moments = 0 if j.optimizer_offload else moments
+    grads = 0 if j.param_offload else 4 * m.params / W
+    gathered = b * (2 * m.layer_params + m.root_params)                        # a layer + the prefetched one + root
+    reduce_buffer = 4 * m.layer_params                                         # one layer's fp32 gradients unsharded
+
+    def layer_working_set(tokens: int) -> float:                              # one layer's activations
+        return b * tokens * (4 * m.hidden + m.q_dim + 2 * m.kv_dim + 3 * m.intermediate)
+
+    def logits(tokens: int, grad: bool) -> float:
+        resp = tokens * j.response_fraction
+        chunk = 4 * min(j.logprob_chunk, resp) * m.vocab * (2 if grad else 1)
+        return b * resp * m.vocab * (2 if grad else 1) + chunk                  # logits (+ their gradient) + chunks
+
+    T = j.train_tokens
+    saved = b * T * m.hidden * m.layers if j.gradient_checkpointing else layer_working_set(T) * m.layers
+    ref = 0 if not j.need_ref or j.ref_param_offload else 4 * m.params / W
+    if j.engine == "vllm":
+        engine_awake = j.gpu_memory_utilization * gpu_bytes                   # vLLM reserves its fraction
+        engine_weights = 2 * m.params                                          # bf16 copy, woken alone for a sync
+    else:
+        engine_awake = engine_weights = b * m.params                            # HF engine: its own copy (+ KV)
+    engine_asleep = 0 if j.free_cache_engine else engine_awake
+    phases = {
+        "rollout": dict(actor_params=shard, adam_moments=resident_moments, ref_params=ref, engine=engine_awake),
+        "log_prob": dict(actor_params=shard, adam_moments=resident_moments, ref_params=ref, gathered_units=gathered,
+                         activations=layer_working_set(j.logprob_tokens), logits=logits(j.logprob_tokens, grad=False),
+                         engine=engine_asleep),
+        "update": dict(actor_params=shard, adam_moments=moments, gradients=grads + reduce_buffer, ref_params=ref,
+                       gathered_units=gathered, activations=saved + layer_working_set(T),
+                       logits=logits(T, grad=True), engine=engine_asleep),
+        "weight_sync": dict(actor_params=shard, adam_moments=resident_moments, ref_params=ref,
+                            engine=engine_weights, gathered_param=b * m.largest_param),
+    }
+    return {name: {**parts, "total": sum(parts.values())} for name, parts in phases.items()}
+
+
+def render(m: ModelShape, j: JobShape, table: dict, gpu_bytes: int) -> str:
+    comps = sorted({k for parts in table.values() for k in parts if k != "total"})
+    lines = [f"model: {m.params / 1e9:.2f} B parameters ({m.layers} layers, vocab {m.vocab}); world {j.world} GPUs; "
+             f"engine {j.engine} (gpu_memory_utilization {j.gpu_memory_utilization}); update micro-batch "
+             f"{j.train_tokens} tokens, log-prob micro-batch {j.logprob_tokens}; param_offload {j.param_offload}, "
+             f"optimizer_offload {j.optimizer_offload}",
+             "| GiB per GPU | " + " | ".join(table) + " |", "| --- |" + " ---: |" * len(table)]
+    for comp in comps + ["total"]:
+        lines.append(f"| {comp} | " + " | ".join(f"{table[p].get(comp, 0) / GIB:.1f}" for p in table) + " |")
+    worst = max(table, key=lambda p: table[p]["total"])
+    fits = table[worst]["total"] <= gpu_bytes
+    lines.append(f"peak: {worst} at {table[worst]['total'] / GIB:.1f} GiB of {gpu_bytes / GIB:.0f} GiB — "
+                 f"{'fits' if fits else 'does NOT fit'}")
+    return "\n".join(lines)
+
+
+def _compose(script: str) -> str:
+    """`bash script --cfg job`; the model and output paths only need to be set, not to exist."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    env = {"ACTOR_MODEL_PATH": os.path.join(tmp, "model"), "SAVE_PATH": os.path.join(tmp, "memory_estimate"),
+           "PYTHON": sys.executable, **os.environ}
+    proc = subprocess.run(["bash", script, "--cfg", "job"], env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise SystemExit(f"{script} --cfg job failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--job", help="composed job config: YAML printed by a launch script with --cfg job")
+    src.add_argument("--script", help="a launch script (scripts/*.sh): run with --cfg job to compose its config")
+    p.add_argument("--model", required=True, help=f"HF folder, config.json, or one of {sorted(PRESETS)}")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100: 80)")
+    p.add_argument("--json", default=None, help="also write the table here")
+    a = p.parse_args(argv)
+    import yaml
+
+    text = _compose(a.script) if a.script else Path(a.job).read_text()
+    job = yaml.safe_load("\n".join(ln for ln in text.splitlines() if not ln.startswith("Switched to")))
+    if not isinstance(job, dict) or "actor_rollout_ref" not in job:
+        raise SystemExit(f"{a.script or a.job}: no composed job config (the output of a launch script run with "
+                         "--cfg job, e.g. ACTOR_MODEL_PATH=... SAVE_PATH=... bash scripts/ARPO_7B_Reasoning_1node.sh --cfg job)")
+    m, j = model_shape(a.model), job_shape(job)
+    gpu = int(a.gpu_gib * GIB)
+    table = estimate(m, j, gpu)
+    print(render(m, j, table, gpu))
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(model=vars(m), job=vars(j), bytes=table), indent=2))
+    return table
+
+
+if __name__ == "__main__":
+    main()
