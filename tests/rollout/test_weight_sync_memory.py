@@ -54,12 +54,15 @@ def test_hf_engine_sync_holds_one_parameter(wide_model_dir):
 @pytest.mark.vllm
 def test_vllm_engine_sync_holds_one_layer(wide_model_dir):
     """vLLM reloads layer by layer (it re-processes each layer's weights as a unit once all of them
-    arrived), so its floor is one layer buffered plus that layer's new weights, not one parameter."""
+    arrived), so its floor is one reload unit buffered plus that unit's new weights, not one
+    parameter: U = max(a decoder layer, the largest parameter) — on SmolLM2 the tied 108 MiB
+    embedding, re-materialised for the embedding and again for the head (benchmarks/bench_weight_sync.py)."""
     pytest.importorskip("vllm")
     bench = _bench()
     stream = bench.measure("vllm", wide_model_dir, "stream")
     collect = bench.measure("vllm", wide_model_dir, "collect")
     print(stream, collect)
     assert collect["growth_mib"] > 0.9 * collect["model_mib"]
-    assert stream["growth_mib"] <= 2 * _layer_mib(wide_model_dir) + stream["largest_param_mib"] + 16
+    unit = max(_layer_mib(wide_model_dir), stream["largest_param_mib"])
+    assert stream["growth_mib"] <= 2 * unit + stream["largest_param_mib"] + 16
     assert stream["growth_mib"] < 0.5 * collect["growth_mib"]

@@ -168,9 +168,11 @@ class HFEngine(InferenceEngine):
         else:
             if dtype not in _DTYPES:
                 raise ValueError(f"HFEngine dtype={dtype!r}; choose one of {sorted(_DTYPES)}")
+            # on an accelerator the weights load straight onto it: no full host copy per rank
+            on_device = {"device_map": {"": self.device}} if self.device.type != "cpu" else {}
             self.model = AutoModelForCausalLM.from_pretrained(
                 str(model_or_path), dtype=_DTYPES[dtype],
-                attn_implementation=_pick_attn(attn_implementation)).to(self.device)
+                attn_implementation=_pick_attn(attn_implementation), **on_device).to(self.device)
         self.model.eval()
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
             str(model_or_path))
