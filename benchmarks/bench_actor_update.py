@@ -9,7 +9,7 @@ Same model, same tokens, same cores: a batch of `--rows` trajectories shaped lik
 - bare: the loop a user would write: the HF model, AdamW, the same micro-batches (padded), loss =
   −mean(A·log p), bf16 autocast when the precision is bf16.
 
-Each case runs in a fresh subprocess (2 warm-up steps, then `--steps` timed, median) and reports
+Each case runs in a fresh subprocess (1 warm-up step, then `--steps` timed, median) and reports
 trained tokens/s (real tokens only) and peak RSS. Cases alternate ours/bare.
 
     python benchmarks/bench_actor_update.py [--model DIR] [--quick]
@@ -112,10 +112,10 @@ def child(spec: dict) -> dict:
             opt.zero_grad(set_to_none=True)
 
     times = []
-    for i in range(2 + int(spec["steps"])):
+    for i in range(1 + int(spec["steps"])):
         t = time.perf_counter()
         step()
-        if i >= 2:
+        if i >= 1:
             times.append(time.perf_counter() - t)
     peak = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
     return dict(tokens=tokens, step_s=statistics.median(times), tok_per_s=tokens / statistics.median(times),
