@@ -102,3 +102,29 @@ def test_dense_packing_on_cuda_warns_once(tiny_model_dir, caplog):
     with caplog.at_level(logging.WARNING, logger=tc.__name__):
         tc.warn_if_dense_packing(model, torch.device("cuda", 0))
     assert not caplog.records
+
+
+_FRAGMENT = r'''
+import torch
+from verl_arpo.workers.training_core import release_host_memory
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+big = torch.ones(30 * 2**20 // 4); del big          # freeing a mapped 30 MB block raises malloc's mmap threshold
+blocks = [torch.ones(4 * 2**20 // 4) for _ in range(100)]   # 400 MB of 4 MB tensors, now from the heap
+keep = blocks[-1]
+del blocks                                         # freed, but below a live block: not returned by itself
+before = rss()
+release_host_memory()
+print(before, rss())
+'''
+
+
+def test_release_host_memory_returns_freed_heap():
+    """400 MB of freed 4 MB tensors stay resident under glibc until trimmed."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRAGMENT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split())
+    assert before - after > 300 * 2**20, (before, after)

@@ -35,6 +35,7 @@ from verl_arpo.workers.training_core import (
     maybe_reshard,
     memory_metrics,
     move_optimizer_state,
+    release_host_memory,
     shard_fsdp2,
 )
 
@@ -220,6 +221,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         out = self.agent_loop.generate_sequences(prompts)
         if self.config.rollout.free_cache_engine:  # free the KV cache (vLLM) / weights (hf) for training
             self.engine.sleep()
+        release_host_memory()
         return out
 
     def _log_prob_meta(self, data: DataProto, cfg) -> DataProto:
@@ -234,6 +236,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         data = self._log_prob_meta(data, self.config.rollout)
         log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
         maybe_reshard(self.actor_module)
+        release_host_memory()
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
                                    meta_info={"temperature": data.meta_info["temperature"]})
 
@@ -262,6 +265,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             move_optimizer_state(self.actor_optimizer, torch.device("cpu"))
         self.lr_scheduler.step()
         metrics["actor/lr"] = lr
+        release_host_memory()
         metrics.update(memory_metrics(self.device))
         return DataProto(meta_info={"metrics": metrics})
 
@@ -345,6 +349,7 @@ class CriticWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         metrics = self.critic.update_critic(data)
+        release_host_memory()
         self.lr_scheduler.step()
         metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
         return DataProto(meta_info={"metrics": metrics})
