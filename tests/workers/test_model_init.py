@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_dp_actor import _free_port
 
 
 def _rss_bytes() -> int:

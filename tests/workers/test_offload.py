@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 
 import torch
+from test_dp_actor import _free_port, load_model, make_batch
 
 from verl_arpo.protocol import DataProto
 
 COMBOS = list(itertools.product([False, True], [False, True]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank, world, port, model_dir, data_path, out_path):
@@ -63,8 +57,6 @@ def _rank(rank, world, port, model_dir, data_path, out_path):
 
 def test_offload_combinations_keep_identical_numerics(tiny_model_dir, tmp_path):
     import torch.multiprocessing as mp
-
-    from test_dp_actor import load_model, make_batch
 
     data = make_batch(load_model(tiny_model_dir).config.vocab_size, B=8, seed=3,
                       prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])

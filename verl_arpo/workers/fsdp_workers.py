@@ -185,7 +185,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             plan.append((hf_name, p, pair))
         return plan
 
-    def _full_named_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _full_named_params(self, plan, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one parameter at a time (docs/gpu.md, "Weight sync"): each is
         gathered, LoRA-merged (W + s·B@A), cast to the engine's `dtype` and handed over before the
         next is gathered, so the sync holds one full parameter beyond the shards."""
@@ -194,7 +194,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         def full(p):
             return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
-        for hf_name, p, pair in self._weight_plan():
+        for hf_name, p, pair in plan:
             if pair is None and dtype is not None:
                 w = full(p.detach().to(dtype))  # cast the shard, then gather: half the bytes for bf16
             else:
@@ -208,8 +208,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     def _sync_rollout_weights(self):
         with torch.no_grad():
-            self.engine.check_weight_names([name for name, _, _ in self._weight_plan()])
-            self.engine.update_weights(self._full_named_params(getattr(self.engine, "weight_dtype", None)))
+            plan = self._weight_plan()
+            self.engine.check_weight_names([name for name, _, _ in plan])
+            self.engine.update_weights(self._full_named_params(plan, getattr(self.engine, "weight_dtype", None)))
         maybe_reshard(self.actor_module)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -141,8 +142,6 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        import os
-
         with open("/proc/self/statm") as f:
             out["perf/cpu_memory_used_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     except OSError:  # not Linux

@@ -126,6 +126,7 @@ class VLLMEngine(InferenceEngine):
             self.model_path)
         hf_cfg = AutoConfig.from_pretrained(self.model_path)
         self._tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+        self._known = None if self._names is None else self._names | ({"lm_head.weight"} if self._tied else set())
         self.vocab_size = int(getattr(hf_cfg, "vocab_size", len(self.tokenizer)))
         self.full_entropy = 0 < self.vocab_size <= full_entropy_max_vocab
         if on_cpu and "enable_chunked_prefill" not in llm_kwargs:
@@ -249,10 +250,9 @@ class VLLMEngine(InferenceEngine):
         return self.llm.llm_engine.model_config.dtype
 
     def check_weight_names(self, names) -> None:
-        if self._names is None:
+        if self._known is None:
             return
-        known = self._names | ({"lm_head.weight"} if self._tied else set())
-        unknown = [n for n in names if n not in known]
+        unknown = [n for n in names if n not in self._known]
         if unknown:
             raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
                            f"{unknown[:5]}; expected the checkpoint's HF names")
