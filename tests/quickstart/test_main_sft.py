@@ -94,3 +94,28 @@ def test_bf16_autocast_trains(tiny_model_dir, sft_file, tmp_path):
     with pytest.raises(SystemExit, match="larger than"):
         main_sft.run_sft(main_sft.load_config(_overrides(tiny_model_dir, sft_file, str(tmp_path / "x"),
                                                          **{"data.train_batch_size": 64})))
+
+
+def test_length_sorted_micro_batches_keep_the_step_loss(tiny_model_dir, sft_file, tmp_path):
+    """Micro-batches are grouped by length (less padding); the first step's loss must still be the
+    token mean over exactly the step's conversations, computed here one conversation at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = main_sft.load_config(_overrides(tiny_model_dir, sft_file, str(tmp_path / "sorted"), **{
+        "data.shuffle": False, "trainer.total_training_steps": 1, "data.train_batch_size": 8}))
+    first = main_sft.run_sft(cfg)["history"][0]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ds = main_sft.SFTDataset(sft_file, tok, 2048)
+    assert len({ds.length(i) for i in range(8)}) > 1  # the sort has something to reorder
+    nll, targets = 0.0, 0
+    with torch.no_grad():
+        for i in range(8):  # a plain loop: no padding, no grouping
+            ids = torch.tensor([ds[i]["input_ids"]])
+            mask = torch.tensor(ds[i]["loss_mask"][1:], dtype=torch.bool)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            tok_nll = -logp.gather(-1, ids[0, 1:, None])[:, 0]
+            nll += float(tok_nll[mask].sum())
+            targets += int(mask.sum())
+    assert first["targets"] == targets
+    assert abs(first["loss"] - nll / targets) < 1e-4, (first["loss"], nll / targets)

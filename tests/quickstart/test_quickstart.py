@@ -1,6 +1,7 @@
 """The quickstart pipeline end to end (tiny model, smoke budget): every stage runs the real entry
 points (model prep, main_sft, main_ppo, convert_verl_to_hf, main_eval) and the summary is complete."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quickstart_tiny_smoke(tmp_path):
     out = tmp_path / "qs"
+    env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache")}  # an empty evaluation cache
     r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["test"]["n"] == 30
@@ -26,13 +28,53 @@ def test_quickstart_tiny_smoke(tmp_path):
     assert (out / "reward_curve.png").stat().st_size > 0
     assert (Path(s["hf_dir"]) / "config.json").exists()
     assert len(s["reward_curve"]) == s["rl_steps"]
-    # a re-run reuses every finished stage (nothing is rewritten) and still reports what each stage cost
+    assert s["eval_from_cache"] == []
+    # a re-run reuses every finished stage (nothing is rewritten) and still reports what each stage cost;
+    # the base evaluation, whose report is gone, comes from the cache without running the model again
+    base_report = json.loads((out / "eval_base.json").read_text())
+    (out / "eval_base.json").unlink()
     stamps = {f: (out / f).stat().st_mtime_ns for f in ("logs/sft.log", "logs/rl.log", "logs/eval_rl.log",
-                                                         "rl/latest_checkpointed_iteration.txt")}
+                                                         "logs/eval_base.log", "rl/latest_checkpointed_iteration.txt")}
     r2 = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert {f: (out / f).stat().st_mtime_ns for f in stamps} == stamps
     s2 = json.loads((out / "summary.json").read_text())
-    assert {k: s2["wall_s"][k] for k in ("sft", "rl", "eval")} == {k: s["wall_s"][k] for k in ("sft", "rl", "eval")}
+    assert s2["eval_from_cache"] == ["base"] and "(cached)" in r2.stdout
+    assert json.loads((out / "eval_base.json").read_text()) == base_report
+    assert {k: s2["wall_s"][k] for k in ("sft", "rl")} == {k: s["wall_s"][k] for k in ("sft", "rl")}
     assert s2["wall_s"]["sft"] > 0 and s2["wall_s"]["rl"] > 0
+
+
+def test_eval_cache_key_follows_every_input(tmp_path, monkeypatch):
+    """The base evaluation is reused only while its inputs hash the same: any weight byte, the data,
+    an argument or the package's code changes the key."""
+    from verl_arpo import quickstart
+    from verl_arpo.quickstart import eval_cache_key
+
+    code = tmp_path / "checkout"
+    (code / "verl_arpo").mkdir(parents=True)
+    (code / "configs").mkdir()
+    (code / "verl_arpo" / "engine.py").write_text("TEMPERATURE = 1.0\n")
+    monkeypatch.setattr(quickstart, "ROOT", code)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    data = tmp_path / "test.parquet"
+    data.write_bytes(b"rows")
+    args = ["--dtype", "bfloat16"]
+    key = eval_cache_key(model, data, args)
+    assert key == eval_cache_key(model, data, list(args))  # deterministic
+    weights = bytearray((model / "model.safetensors").read_bytes())
+    weights[1000] ^= 1
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    assert eval_cache_key(model, data, args) != key
+    key = eval_cache_key(model, data, args)
+    data.write_bytes(b"rowz")
+    assert eval_cache_key(model, data, args) != key
+    key = eval_cache_key(model, data, args)
+    assert eval_cache_key(model, data, ["--dtype", "float32"]) != key
+    key = eval_cache_key(model, data, args)
+    (code / "verl_arpo" / "engine.py").write_text("TEMPERATURE = 0.5\n")
+    assert eval_cache_key(model, data, args) != key

@@ -128,3 +128,33 @@ def test_release_host_memory_returns_freed_heap():
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = map(int, out.stdout.split())
     assert before - after > 300 * 2**20, (before, after)
+
+
+_PEAK = r'''
+import torch
+from verl_arpo.workers.training_core import memory_metrics
+cpu = torch.device("cpu")
+memory_metrics(cpu)                       # start a fresh window
+x = torch.ones(512 * 2**20 // 4)          # 512 MiB, touched
+del x                                     # a large block: freed straight back (mmap)
+first = memory_metrics(cpu)
+second = memory_metrics(cpu)              # nothing big since the last call
+print(first["perf/cpu_memory_peak_gb"], first["perf/cpu_memory_used_gb"], second["perf/cpu_memory_peak_gb"])
+'''
+
+
+def test_host_memory_peak_is_per_window_and_reduced_by_max():
+    """perf/cpu_memory_peak_gb sees a 512 MiB block that is already freed, and the next call's window
+    no longer does; across ranks the peak is the largest, not the mean."""
+    import subprocess
+    import sys
+
+    from verl_arpo.trainer.ppo.ray_trainer import reduce_metrics
+
+    out = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak, used, next_peak = map(float, out.stdout.split())
+    assert peak - used > 0.45, (peak, used)   # the freed block is in the peak, not in the current RSS
+    assert next_peak - used < 0.1, (next_peak, used)
+    got = reduce_metrics({"perf/cpu_memory_peak_gb": [2.0, 3.5], "perf/cpu_memory_used_gb": [2.0, 3.0]})
+    assert got == {"perf/cpu_memory_peak_gb": 3.5, "perf/cpu_memory_used_gb": 2.5}

@@ -134,8 +134,9 @@ def to_device(micro, device: torch.device):
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """verl's memory metrics of this worker: perf/max_memory_allocated_gb and perf/max_memory_reserved_gb
-    (device peaks since the last call, which resets them; CUDA only) and perf/cpu_memory_used_gb (this
-    process's resident host memory)."""
+    (device peaks since the last call, which resets them; CUDA only), perf/cpu_memory_used_gb (this
+    process's resident host memory now) and perf/cpu_memory_peak_gb (its resident peak since the last
+    call: the kernel's VmHWM, reset through /proc/self/clear_refs; Linux only)."""
     out = {}
     if device.type == "cuda":
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -144,7 +145,12 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     try:
         with open("/proc/self/statm") as f:
             out["perf/cpu_memory_used_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except OSError:  # not Linux
+        with open("/proc/self/status") as f:
+            hwm = next(line for line in f if line.startswith("VmHWM:"))
+        out["perf/cpu_memory_peak_gb"] = int(hwm.split()[1]) / 2**20  # kB
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the resident high-water mark to the current RSS
+    except (OSError, StopIteration):  # not Linux, or a kernel without the reset
         pass
     return out
 
