@@ -169,3 +169,34 @@ def test_model_type_mismatch_is_a_clear_error(runs, tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "--model_type llama" in err and "qwen2" in err
+
+
+class _Planted:
+    """What model-written code could drop into a checkpoint directory: a pickle that runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("victim", ["extra_state_rank_0.pt", "data.pt"])
+def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(runs, tiny_model_dir, tmp_path, victim):
+    """Every torch.load of a checkpoint file is weights_only: a planted file fails the resume with
+    an unpickling error instead of running its command."""
+    from transformers import AutoModelForCausalLM
+
+    copy = tmp_path / "global_step_1"
+    shutil.copytree(os.path.join(runs["root"], "global_step_1"), copy)
+    marker = tmp_path / "pwned"
+    target = copy / "actor" / victim if victim.startswith("extra") else copy / victim
+    assert target.exists()
+    torch.save({"rng": _Planted(marker), "global_step": _Planted(marker)}, target)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        if victim == "data.pt":
+            ck.load_dataloader_state(str(copy))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+            ck.FSDPCheckpointManager(model, torch.optim.AdamW(model.parameters())).load_checkpoint(str(copy / "actor"))
+    assert not marker.exists()

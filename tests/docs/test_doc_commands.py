@@ -125,6 +125,7 @@ PLACEHOLDERS = {  # name -> builder(tmp) returning the value that replaces <name
     "reference_train.parquet": lambda t: ROOT / "tests" / "fixtures" / "reference_format.parquet",
     "your_key": lambda t: "dummy-key",
     "your_zone": lambda t: "dummy-zone",
+    "namespace": lambda t: "local corpus=0123456789abcdef max_results=5 result_length=1000",
 }
 _PLACEHOLDER = re.compile(r"<([A-Za-z0-9_.\-]+)>")
 

@@ -4,7 +4,9 @@ The run is the real entry point (`python -m verl_arpo.trainer.main_ppo --config-
 own Ray cluster) for 2 steps with every logger (console, jsonl, tensorboard, wandb offline),
 rollout dumps, a checkpoint per step, `BingSearchTool` pointed at a search API on 127.0.0.1 with
 `api_key=sk-test-SECRET-123` on the command line *and* the same key in BRIGHTDATA_API_KEY. The API
-answers with results, 429s, and error pages that echo the key back (as some real APIs do).
+answers with results, 429s, and error pages that echo the key back (as some real APIs do). The run's
+environment also holds WANDB_API_KEY and HF_TOKEN from the start, and the config passes a
+`MY_SERVICE_TOKEN` to the workers through `ray_init.runtime_env.env_vars`: none may be written either.
 
 Everything the run can write is kept in folders the test owns: the run's cwd (checkpoints, logs,
 dumps, search cache, Hydra's output dir), HOME (wandb / HF caches), and TMPDIR (Ray's session
@@ -24,7 +26,11 @@ from rel_helpers import FakeSearchAPI
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-SECRET-123"
-NEEDLES = [KEY.encode(), KEY.encode("utf-16-le"), KEY.replace("-", "%2D").encode()]
+# secrets every cluster job carries in its environment, and one passed to the workers by the config
+ENV_SECRETS = {"WANDB_API_KEY": "wandb-SECRET-0123456789abcdef", "HF_TOKEN": "hf_SECRETtokenXYZ987",
+               "MY_SERVICE_TOKEN": "svc-SECRET-4567"}
+NEEDLES = [n for v in (KEY, *ENV_SECRETS.values())
+           for n in (v.encode(), v.encode("utf-16-le"), v.replace("-", "%2D").encode())]
 
 
 def _responder(i, headers, body):
@@ -90,8 +96,10 @@ def test_no_file_of_a_full_run_holds_the_api_key(tool_model_dir, tmp_path, run_d
         f"+{search}.params.endpoint={api.url}", f"+{search}.params.http_retries=1",
         f"+{search}.params.retry_backoff=0.01", f"+{search}.params.async_cache_write=true",
         f"{search}.params.cache_file={run / 'cache' / 'search_cache.json'}",
+        f"+ray_init.runtime_env.env_vars.MY_SERVICE_TOKEN={ENV_SECRETS['MY_SERVICE_TOKEN']}",
     ]
     env = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
+    env.update(WANDB_API_KEY=ENV_SECRETS["WANDB_API_KEY"], HF_TOKEN=ENV_SECRETS["HF_TOKEN"])
     env.update(HOME=str(home), TMPDIR=str(tmpdir), WANDB_MODE="offline", BRIGHTDATA_API_KEY=KEY,
                RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", NO_PROXY="127.0.0.1,localhost")
     log = run / "console.log"  # what a user tees from the console: part of what the run wrote
@@ -122,4 +130,4 @@ def test_no_file_of_a_full_run_holds_the_api_key(tool_model_dir, tmp_path, run_d
     leaks = files_containing_secrets(run, home, tmpdir)
     if os.environ.get("RELIABILITY_KEEP_RUN"):  # debugging a leak: keep the files
         shutil.copytree(tmpdir, run / "tmpdir_copy", symlinks=True, ignore=shutil.ignore_patterns("sockets"))
-    assert not leaks, "the API key was written to:\n" + "\n".join(leaks)
+    assert not leaks, "a secret was written to:\n" + "\n".join(leaks)

@@ -269,3 +269,78 @@ def test_num_examine_prints_per_source(tiny_tokenizer, capsys):
     out = capsys.readouterr().out
     assert out.count("[response]") == 2  # one per data source
     assert "[prompt] Q?" in out
+
+
+# ------------------------------------------------------------------ failures that must not poison a run
+HANGING_FILE = '''
+import os, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 5:
+        time.sleep(3600)          # a scorer stuck on one sample (a regex blow-up, a dead judge server)
+    return {"score": 1.0, "pid": os.getpid()}
+'''
+
+
+def test_non_finite_scores_are_failed_scorings_not_a_poisoned_group(tiny_tokenizer, caplog):
+    """NaN / ±inf from a scorer become 0.0 for that sample only and are counted; the group's
+    GRPO advantages stay finite."""
+    from verl_arpo.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    bad = {1: float("nan"), 2: float("inf"), 3: -float("inf")}
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return bad.get(extra_info["index"], 0.5 * (extra_info["index"] % 2))
+
+    data, _ = make_batch(tiny_tokenizer, [[(GOOD, True)]] * 6, ["x"] * 6, ["Paris"] * 6)
+    with caplog.at_level("WARNING"):
+        out = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=0)(data, return_dict=True)
+    assert out["reward_tensor"].sum(-1).tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.5]  # by hand: 0, ×, ×, ×, 0, 0.5
+    assert out["reward_metrics"]["reward/non_finite_scores"] == 3.0
+    assert "3 of 6 scores were NaN or infinite (first: sample 1" in caplog.text
+    adv, _ = compute_grpo_outcome_advantage(out["reward_tensor"], data.batch["response_mask"],
+                                            np.array(["g"] * 6, dtype=object))
+    assert torch.isfinite(adv).all()
+
+
+def test_a_hung_scorer_ends_in_an_error_naming_the_sample(tiny_tokenizer, tmp_path):
+    """Serial (main thread, and another thread) and parallel scoring all stop within the timeout."""
+    import threading
+    import time
+
+    from verl_arpo.utils.reward_manager import RewardTimeoutError
+
+    path = tmp_path / "hang.py"
+    path.write_text(HANGING_FILE)
+    fn = load_custom_reward_function(str(path), "compute_score")
+    data, _ = _mixed_batch(tiny_tokenizer, 12)
+    serial = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=0, score_timeout=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(RewardTimeoutError, match=r"score_timeout=1.5s: sample 5 \(data_source="):
+        serial(data)
+    assert time.monotonic() - t0 < 5
+    box = {}
+
+    def in_thread():
+        try:
+            serial(data)
+        except RewardTimeoutError as exc:
+            box["error"] = str(exc)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join(10)
+    assert "sample 5" in box.get("error", "") and time.monotonic() - t0 < 5
+    parallel = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=2, parallel_threshold=4,
+                                  score_timeout=20)  # spawned scorers start in a few seconds
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match=r"samples \d+\.\.\d+ .*were still being scored"):
+            parallel(data)
+        assert time.monotonic() - t0 < 30
+        assert parallel._pool is None  # the stuck processes were killed, a new pool comes next time
+    finally:
+        parallel.close()
+    # without a hang the limit changes nothing
+    quick = NaiveRewardManager(tiny_tokenizer, num_workers=0, score_timeout=30)
+    assert torch.equal(quick(data), NaiveRewardManager(tiny_tokenizer, num_workers=0)(data))

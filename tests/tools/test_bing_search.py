@@ -53,14 +53,19 @@ def test_parse_dedupe_max_results_and_length(brightdata, tmp_path):
     tool.close()
 
 
-def test_no_results_and_cache_hit(brightdata, tmp_path):
-    brightdata.respond((200, {"organic": []}, {}, 0))
+def test_no_results_are_not_cached_and_results_are(brightdata, tmp_path):
+    """An empty 200 answer may be an outage in disguise: asked again next time; a real result is
+    served from the cache."""
+    brightdata.respond((200, {"organic": []}, {}, 0), (200, {"organic": []}, {}, 0), (200, serp("found"), {}, 0))
     tool = make(brightdata, tmp_path)
     assert tool.execute("nothing here") == "No search results found."
     assert tool.execute("nothing here") == "No search results found."
-    assert len(brightdata.requests) == 1  # second answer came from the cache
+    assert len(brightdata.requests) == 2  # asked twice: nothing was cached
+    assert tool.execute("nothing here") == "Page 1: found"
+    assert tool.execute("nothing here") == "Page 1: found"
+    assert len(brightdata.requests) == 3  # the last answer came from the cache
     m = tool.metrics()
-    assert (m["cache_hits"], m["cache_misses"]) == (1, 1)
+    assert (m["cache_hits"], m["cache_misses"]) == (1, 3)
     tool.close()
 
 
@@ -131,7 +136,8 @@ def test_key_never_leaks(brightdata, tmp_path, caplog):
     blob = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
     assert KEY.encode() not in blob
     rows = sqlite3.connect(tmp_path / "cache.sqlite").execute("SELECT query, result FROM cache").fetchall()
-    assert rows == [("q3", "Page 1: result text")]
+    assert rows == [(tool.cache_namespace() + "\x1fq3", "Page 1: result text")]  # keyed by configuration + query
+    assert KEY not in tool.cache_namespace()
 
 
 def test_key_from_env_when_placeholder(brightdata, tmp_path, monkeypatch):
@@ -162,4 +168,5 @@ def test_reference_json_cache_is_used(brightdata, tmp_path, async_write):
     tool.close()
     assert brightdata.requests and len(brightdata.requests) == 1
     rows = dict(sqlite3.connect(tmp_path / "search_cache.sqlite").execute("SELECT * FROM cache"))
-    assert rows == {"cached q": "Page 1: from json", "new q": "Page 1: new"}
+    ns = tool.cache_namespace() + "\x1f"  # the reference's entries belong to the tool that imports them
+    assert rows == {ns + "cached q": "Page 1: from json", ns + "new q": "Page 1: new"}

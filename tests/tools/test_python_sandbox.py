@@ -1,7 +1,9 @@
 """Hostile code is contained and reported, and the host is unharmed.
 
 Tests marked ``bwrap`` need a working bubblewrap; the rest also run against the plain-subprocess
-fallback (``sandbox="none"``), which keeps rlimits, the minimal environment and uid 65534.
+fallback (``sandbox="none"``, an explicit opt-out), which keeps rlimits, the minimal environment,
+uid 65534 under root, a non-dumpable host and descendant cleanup. The sandbox fails closed:
+``auto`` without a working bubblewrap refuses to build the tool.
 """
 import os
 import socket
@@ -39,8 +41,12 @@ def _processes_named(comm):
     return found
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_secret_env_not_visible(mode, monkeypatch):
+@needs_bwrap
+def test_secret_env_not_visible(monkeypatch):
+    """bwrap: neither the code's environment nor any /proc entry it can see holds the host's secret
+    (the fallback's version, which needs a secret present from process start, is
+    test_fallback_as_non_root_with_a_secret_from_the_start)."""
+    mode = "bwrap"
     secret = f"sk-{uuid.uuid4().hex}"
     monkeypatch.setenv("VERL_TEST_SECRET_KEY", secret)
     out = tool(mode).execute(
@@ -186,3 +192,116 @@ def test_concurrent_sandboxes_isolated():
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda i: t.execute(code.format(i=i)), range(4)))
     assert outs == [f"{i} ['mine']\n" for i in range(4)]
+
+
+# ------------------------------------------------------------------------------ fail closed / opt-out
+_SYSTEM_PYTHON = "/usr/bin/python3"
+# Loads python_tool.py without the tools package's __init__ (which imports `requests`): the harness
+# runs under the system Python as a non-root user, who cannot reach the project's virtualenv.
+_HARNESS = r"""
+import json, os, sys, types
+root = sys.argv[1]
+for name in ("verl_arpo", "verl_arpo.workers", "verl_arpo.workers.rollout", "verl_arpo.workers.rollout.tools"):
+    mod = types.ModuleType(name)
+    mod.__path__ = [os.path.join(root, *name.split("."))]
+    sys.modules[name] = mod
+from verl_arpo.workers.rollout.tools import python_tool as pt
+mode = sys.argv[2]
+try:
+    tool = pt.PythonTool(sandbox=mode, timeout=20, max_output_chars=20000)
+except pt.SandboxUnavailableError as exc:
+    print(json.dumps({"refused": str(exc)}))
+    sys.exit(0)
+out = {"uid": os.getuid(), "metrics": tool.metrics()}
+out["peek"] = tool.execute(
+    "import os\n"
+    "print('ENV', sorted(os.environ))\n"
+    "for p in (f'/proc/{os.getppid()}/environ', f'/proc/{os.getppid()}/mem'):\n"
+    "    try:\n        print(p, open(p, 'rb').read(4096))\n    except OSError as e:\n        print(p, type(e).__name__)\n")
+for exit_how in ("return", "os._exit"):
+    daemon = ("import subprocess, sys, os\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+              "print('DAEMON', p.pid, flush=True)\n" + ("os._exit(0)\n" if exit_how == "os._exit" else ""))
+    import time
+    t0 = time.monotonic()
+    text = tool.execute(daemon)
+    seconds = time.monotonic() - t0
+    pid = int(text.split("DAEMON")[1].split()[0])
+    time.sleep(0.2)
+    out[exit_how] = {"text": text, "seconds": seconds, "alive": os.path.exists(f"/proc/{pid}")}
+print(json.dumps(out))
+"""
+
+
+def _harness(mode, env_extra=None, as_user=True, path=None):
+    import json
+    import subprocess
+
+    if not os.path.exists(_SYSTEM_PYTHON):
+        pytest.skip(f"{_SYSTEM_PYTHON} is needed to run the tool as another user")
+    uid = 65533 if as_user and os.geteuid() == 0 else None  # an unprivileged user: not root, not "nobody"
+    env = {"PATH": path or "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **(env_extra or {})}
+    root = str(Path(__file__).resolve().parents[2])
+    r = subprocess.run([_SYSTEM_PYTHON, "-c", _HARNESS, root, mode], env=env, cwd="/tmp", capture_output=True,
+                       text=True, timeout=120, user=uid, group=uid, extra_groups=[] if uid else None)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_fallback_as_non_root_with_a_secret_from_the_start(tmp_path):
+    """sandbox=none in a non-root process whose environment holds a secret since it started: the
+    code's environment is clean, the host's /proc environ and memory are closed to it (non-dumpable),
+    and a setsid() daemon neither outlives the call nor holds its pipes until the timeout -- whether
+    the code returns or leaves through os._exit."""
+    secret = f"sk-live-{uuid.uuid4().hex}"
+    out, log = _harness("none", {"WANDB_API_KEY": secret})
+    assert out["uid"] != 0
+    assert "WITHOUT network or filesystem isolation" in log  # the opt-out is logged
+    assert out["metrics"] == {"unsandboxed": 1.0}
+    peek = out["peek"]
+    assert "ENV" in peek and "WANDB_API_KEY" not in peek and secret not in peek
+    assert peek.count("PermissionError") == 2, peek  # environ and mem of the host
+    for how in ("return", "os._exit"):
+        call = out[how]
+        assert "timed out" not in call["text"], call
+        assert call["seconds"] < 5, call  # not held until the 20 s timeout by the daemon's pipes
+        assert not call["alive"], call  # the setsid() daemon was killed
+
+
+def test_auto_refuses_to_start_without_a_working_bubblewrap():
+    """Fail closed: where bwrap is missing, or present but unable to create namespaces, `auto` and
+    `bwrap` raise an error naming the opt-out; nothing runs unsandboxed by accident."""
+    import shutil
+    import tempfile
+
+    fake = Path(tempfile.mkdtemp(prefix="fakebwrap", dir="/tmp"))  # reachable by the harness's user
+    fake.chmod(0o755)
+    (fake / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    (fake / "bwrap").chmod(0o755)
+    try:
+        _refusals(fake)
+    finally:
+        shutil.rmtree(fake, ignore_errors=True)
+
+
+def _refusals(fake):
+    for path in ("/nonexistent", f"{fake}:/usr/bin:/bin"):  # missing; installed but unable to start
+        for mode in ("auto", "bwrap"):
+            out, _ = _harness(mode, path=path)
+            assert "refused" in out, out
+            assert f"sandbox={mode}" in out["refused"] and "sandbox=none" in out["refused"]
+            if path != "/nonexistent":
+                assert "No permissions to creating new namespace" in out["refused"]
+
+
+def test_a_tool_that_cannot_sandbox_stops_the_run_config():
+    """Through the tools config (what main_ppo builds): the refusal is a ToolBuildError, not a skip."""
+    import subprocess
+    import sys
+
+    code = ("from verl_arpo.workers.rollout.tools.registry import build_tools\n"
+            "build_tools({'tool_instances': {'python': {'class_path': "
+            "'verl_arpo.workers.rollout.tools.python_tool.PythonTool', 'params': {'sandbox': 'auto'}}}})\n")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PATH": "/nonexistent"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ToolBuildError" in r.stderr and "sandbox=none" in r.stderr, r.stderr[-2000:]

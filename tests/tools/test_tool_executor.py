@@ -228,23 +228,32 @@ def test_config_from_omegaconf_and_dict(seeds_yaml, tmp_path, monkeypatch):
     assert ex.timeout == 5 and ex.execute("sleep", "1").text == "slept 1"
 
 
-def test_broken_tool_skipped_unless_fail_on_error(caplog):
+def test_a_tool_that_cannot_be_built_fails_the_run_unless_opted_out(caplog):
+    """The default: the run stops, naming the tool, its class and the opt-out; fail_on_error=false
+    is the explicit choice to train without it (warned)."""
+    from verl_arpo.workers.rollout.tools.registry import ToolBuildError
+
     cfg = {"tool_instances": {
         "python": {"class_path": "verl.workers.rollout.tools.python_tool.PythonTool", "params": {"sandbox": "docker"}},
         "ghost": {"class_path": "verl.workers.rollout.tools.nowhere.Ghost"},
         "sleep": {"class_path": f"{__name__}.SleepTool", "params": None}}}
+    with pytest.raises(ToolBuildError, match=r"tool 'python' \(verl.workers.rollout.tools.python_tool.PythonTool\) "
+                                             r"could not be built: ValueError: sandbox must be .*fail_on_error=false"):
+        build_tools(cfg)
     caplog.set_level(logging.WARNING)
-    tools = build_tools(cfg)
+    tools = build_tools(dict(cfg, fail_on_error=False))
     assert list(tools) == ["sleep"]
     assert "'python' not loaded" in caplog.text and "'ghost' not loaded" in caplog.text
-    with pytest.raises(ValueError):
-        build_tools(dict(cfg, fail_on_error=True))
 
 
 def test_duplicate_tag_rejected(caplog):
+    from verl_arpo.workers.rollout.tools.registry import ToolBuildError
+
     cfg = {"tool_instances": {"a": {"class_path": f"{__name__}.SleepTool"},
                               "b": {"class_path": f"{__name__}.SleepTool"}}}
-    assert list(build_tools(cfg)) == ["sleep"] and "already used" in caplog.text
+    with pytest.raises(ToolBuildError, match="already used"):
+        build_tools(cfg)
+    assert list(build_tools(dict(cfg, fail_on_error=False))) == ["sleep"] and "already used" in caplog.text
 
 
 @pytest.mark.parametrize("name, tags", [("python_search_local", ["python", "search"]),

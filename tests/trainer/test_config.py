@@ -360,6 +360,28 @@ def test_mask_secrets_nested(monkeypatch):
     assert mask_secrets(compose("ppo_trainer"))["actor_rollout_ref"]["model"]["path"] == "???"
 
 
+def test_secret_names_and_headers_beyond_api_key(monkeypatch):
+    """Credential names other than *api_key* (subscription keys, Authorization headers, cookies) and
+    the values of any credential-named environment variable are masked; look-alikes are not."""
+    from verl_arpo.utils.secrets import is_secret_key, mask_text
+
+    secret = ["subscription_key", "Ocp-Apim-Subscription-Key", "Authorization", "proxy_authorization",
+              "auth_header", "access_key", "AWS_SECRET_ACCESS_KEY", "private_key", "cookie", "session_key",
+              "WANDB_API_KEY", "HF_TOKEN", "MY_SERVICE_TOKEN"]
+    plain = ["author", "authority", "prompt_key", "reward_fn_key", "response_key", "tokenizer",
+             "ppo_max_token_len_per_gpu", "max_tokens", "key", "zone"]
+    assert [k for k in secret if not is_secret_key(k)] == []
+    assert [k for k in plain if is_secret_key(k)] == []
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "svc-value-9876")  # a name only the rule knows
+    monkeypatch.setenv("OTHER_SETTING", "visible-value")
+    text = ('GET /?t=svc-value-9876 {"Authorization": "Bearer sk-live-42"} authorization=abc123 '
+            "Proxy-Authorization: Basic dXNlcjpwdw== bearer tok_77; other=visible-value")
+    out = mask_text(text)
+    for leaked in ("svc-value-9876", "sk-live-42", "abc123", "dXNlcjpwdw==", "tok_77"):
+        assert leaked not in out, (leaked, out)
+    assert out.count("***") == 5 and "visible-value" in out and '"Authorization": "Bearer ***"' in out
+
+
 def test_saved_config_is_masked(good, tmp_path):
     cfg = OmegaConf.merge(good, {"actor_rollout_ref": {"rollout": {"tools": {"tool_instances": {
         "search": {"params": {"api_key": "sk-SECRET"}}}}}}})

@@ -173,3 +173,48 @@ def test_merge_checkpoint_matches_trainer_model(ray_local, tool_model_dir, toy_d
     lp = logprobs_from_logits(logits[:, -R - 1:-1], b["responses"])
     mask = b["response_mask"].bool()
     assert torch.allclose(lp[mask], live[mask], atol=1e-4)
+
+
+def test_non_finite_updates_are_counted_and_stop_the_run(ray_local, tool_model_dir, toy_data, tmp_path, monkeypatch):
+    """From step 2 on the advantages are NaN (what a broken estimator or reward would hand the
+    workers): the real workers' loss and gradient norm are non-finite, the optimizer step is
+    skipped, the counts are logged every step, and the run stops after
+    trainer.max_consecutive_skipped_steps=2 in a row with an error saying why."""
+    from verl_arpo.trainer.ppo import ray_trainer
+
+    original = ray_trainer.compute_advantage
+
+    def poisoned(batch, *args, **kwargs):
+        original(batch, *args, **kwargs)
+        if batch.meta_info["global_steps"] >= 2:
+            batch.batch["advantages"] = torch.full_like(batch.batch["advantages"], float("nan"))
+
+    monkeypatch.setattr(ray_trainer, "compute_advantage", poisoned)
+    cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path, ["trainer.total_training_steps=4",
+                                                                    "trainer.max_consecutive_skipped_steps=2",
+                                                                    "trainer.val_before_train=false"]))
+    with pytest.raises(RuntimeError, match=r"2 consecutive training steps had only non-finite gradient norms "
+                                           r"\(trainer.max_consecutive_skipped_steps=2\)") as info:
+        ray_trainer.run_ppo(cfg)
+    assert "training stopped at step 3" in str(info.value)
+    lines = [m for m in _jsonl(tmp_path) if m["step"] > 0]
+    assert [m["step"] for m in lines] == [1, 2]  # step 3 raised before it was logged
+    first, second = lines
+    assert (first["training/skipped_step"], first["actor/skipped_optimizer_steps"]) == (0.0, 0.0)
+    assert first["actor/optimizer_steps"] == 1.0 and first["actor/non_finite_losses"] == 0.0
+    assert (second["training/skipped_step"], second["training/consecutive_skipped_steps"]) == (1.0, 1.0)
+    assert second["actor/skipped_optimizer_steps"] == 1.0 and second["actor/non_finite_losses"] >= 1.0
+    assert math.isnan(second["actor/grad_norm"])
+    assert first["reward/non_finite_scores"] == 0.0
+
+
+def test_a_worker_call_past_its_timeout_ends_the_run_naming_it(ray_local, tool_model_dir, toy_data, tmp_path):
+    """trainer.worker_call_timeout reaches the worker groups (it used to be: wait forever): a call
+    that takes longer ends in an error naming the method and the ranks."""
+    from verl_arpo.trainer.ppo.ray_trainer import run_ppo
+
+    cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path, ["trainer.worker_call_timeout=0.01"]))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"init_model.* did not finish within 0.01s on rank"):
+        run_ppo(cfg)
+    assert time.monotonic() - t0 < 120

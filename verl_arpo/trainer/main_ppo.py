@@ -114,11 +114,16 @@ def run(cfg: DictConfig) -> Any:
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
     """Hydra entry; a config problem exits with code 2 and one line per problem."""
+    from verl_arpo.trainer.ppo.preemption import Preempted
+
     try:
         run(cfg)
     except ConfigError as exc:
         print(f"[verl_arpo] {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Preempted as exc:
+        print(f"[verl_arpo] {exc}", file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from verl_arpo.utils.checkpoint_integrity import build_manifest, find_intact_checkpoint, safe_torch_load
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "checkpoint_complete.json"
 META_FILE = "checkpoint_meta.json"
@@ -124,6 +126,12 @@ def find_latest_ckpt_path(root: str | None) -> str | None:
     return found[-1][1] if found else None
 
 
+def find_resumable_checkpoint(root: str | None) -> str | None:
+    """The newest complete checkpoint under `root` whose files match their recorded sizes and
+    checksums; damaged newer ones are skipped with a warning (checkpoint_integrity.py)."""
+    return find_intact_checkpoint(list_checkpoints(root), COMPLETE_MARKER) if root else None
+
+
 def get_checkpoint_step(path: str) -> int:
     """The step number of a `global_step_N` directory (or of a path inside one)."""
     for part in reversed(os.path.normpath(os.path.abspath(path)).split(os.sep)):
@@ -166,7 +174,8 @@ def publish_checkpoint(root: str, step: int, staging: str) -> str:
     try:
         _fsync_tree(staging)
         marker = {"global_step": int(step), "published_at": time.time(),
-                  "contents": sorted(os.listdir(staging))}
+                  "contents": sorted(os.listdir(staging)),
+                  "files": build_manifest(staging, skip=[COMPLETE_MARKER])}  # verified before a resume
         _atomic_write_text(os.path.join(staging, COMPLETE_MARKER), json.dumps(marker, indent=1))
         aside = None
         if os.path.exists(final):  # re-saving a step: move the old one aside, then swap
@@ -216,7 +225,7 @@ def save_dataloader_state(step_dir: str, state: dict) -> str:
 def load_dataloader_state(step_dir: str) -> dict | None:
     """Read `<step_dir>/data.pt`, or None when it is absent."""
     path = os.path.join(step_dir, "data.pt")
-    return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+    return safe_torch_load(path) if os.path.isfile(path) else None
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -476,7 +485,10 @@ class FSDPCheckpointManager:
         return [("model", get_model_state_dict(self.model))] * ("model" in self.checkpoint_contents)
 
     def _extra_state(self) -> dict:
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # tensors and plain values only: the file loads with torch.load(weights_only=True)
+        rng = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                       int(has_gauss), float(cached)),
                "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -554,7 +566,7 @@ class FSDPCheckpointManager:
         same_world = meta.get("world_size") == _world()
         if not os.path.isfile(path):
             path = os.path.join(local_path, "extra_state_rank_0.pt")
-        state = torch.load(path, weights_only=False)
+        state = safe_torch_load(path)
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if not same_world:
@@ -563,7 +575,9 @@ class FSDPCheckpointManager:
             return
         rng = state["rng"]
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        name, keys, *rest = rng["numpy"]
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)  # older files: an array
+        np.random.set_state((name, keys.astype(np.uint32), *rest))
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

@@ -208,7 +208,7 @@ class ToolsConfig:
     """seconds before the first retry; doubles each time"""
     verbose_logging: bool = False
     """log every call (tag, seconds, ok)"""
-    fail_on_error: bool = False
+    fail_on_error: bool = True
     """raise when a tool fails to load instead of skipping it with a warning"""
     tool_instances: dict = field(default_factory=lambda: {
         "python": {"class_path": "verl_arpo.workers.rollout.tools.python_tool.PythonTool",
@@ -312,6 +312,7 @@ class RewardModelConfig:
     launch_reward_fn_async: bool = False
     num_workers: int | None = None
     parallel_threshold: int = 256
+    score_timeout: float | None = 600.0
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,10 @@ class TrainerConfig:
     rollout_data_dir: str | None = None
     validation_data_dir: str | None = None
     seed: int = 0
+    max_consecutive_skipped_steps: int = 3
+    worker_call_timeout: float | None = 7200.0
+    preemption_grace_s: float | None = 30.0
+    force_resume: bool = False
     config_normalized: bool = False
 
 

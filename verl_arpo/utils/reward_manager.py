@@ -29,6 +29,13 @@ order, so the output is identical to serial scoring. Workers import no torch (th
 `reward_score.custom.score_items`). A scorer that cannot be pickled (a lambda) is scored serially,
 with one warning. The math scorer's signal-based timeouts work in the workers' main threads.
 
+Failures that must not stop or poison a run (docs/algorithms.md, "Rewards"):
+- a score that is NaN or ±inf counts as a failed scoring of that sample: it scores 0.0 and is
+  counted in `reward/non_finite_scores` (a NaN would spread through its GRPO group into a NaN loss);
+- a scorer that hangs ends the run within `score_timeout` seconds (`reward_model.score_timeout`)
+  with a `RewardTimeoutError` naming the sample (serial) or the samples of the chunk (parallel)
+  still being scored; a stuck worker process is killed.
+
 Departures from verl: the decoded text also covers a trailing tool result (verl counts
 `attention_mask` only, which agrees when tool results have attention 1); the score goes on the
 last sampled token (above); a scorer exception propagates with a note naming the sample instead
@@ -37,11 +44,15 @@ of killing the run silently.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import pickle
+import signal
+import threading
+import time
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 from collections.abc import Callable
@@ -61,6 +72,15 @@ __all__ = ["NaiveRewardManager", "load_custom_reward_function", "get_custom_rewa
 logger = logging.getLogger(__name__)
 
 REWARD_MANAGER_REGISTRY: dict[str, type] = {}
+
+
+class RewardTimeoutError(TimeoutError):
+    """Scoring a batch took longer than `reward_model.score_timeout`."""
+
+
+class _ScoreDeadline(BaseException):
+    """Raised inside the main thread by the watchdog's signal (a BaseException: a scorer's own
+    `except Exception` cannot swallow it)."""
 
 
 def register_reward_manager(name: str) -> Callable[[type], type]:
@@ -122,11 +142,13 @@ class NaiveRewardManager:
         num_workers: scoring processes for large batches (<= 1: always serial).
         parallel_threshold: minimum batch size for parallel scoring.
         mp_start_method: multiprocessing start method of the pool ("spawn", "forkserver", "fork").
+        score_timeout: seconds one batch's scoring may take (None or <= 0: no limit).
     """
 
     def __init__(self, tokenizer: Any, num_examine: int = 0, compute_score: Callable | None = None,
                  reward_fn_key: str = "data_source", num_workers: int | None = None,
-                 parallel_threshold: int = 256, mp_start_method: str = "spawn", **unused: Any):
+                 parallel_threshold: int = 256, mp_start_method: str = "spawn", score_timeout: float | None = None,
+                 **unused: Any):
         self.tokenizer = tokenizer
         self.num_examine = int(num_examine)
         self.compute_score = compute_score or default_compute_score
@@ -134,6 +156,7 @@ class NaiveRewardManager:
         self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
         self.parallel_threshold = int(parallel_threshold)
         self.mp_start_method = mp_start_method
+        self.score_timeout = float(score_timeout) if score_timeout and float(score_timeout) > 0 else None
         self._pool: ProcessPoolExecutor | None = None
         self._picklable: bool | None = None
         if unused:
@@ -180,19 +203,97 @@ class NaiveRewardManager:
     # -- scoring -----------------------------------------------------------------------------------
     def score_all(self, items: list[tuple[int, Any, str, Any, Any]]) -> list[Any]:
         """Score (index, data_source, solution_str, ground_truth, extra_info) tuples, in order."""
+        deadline = time.monotonic() + self.score_timeout if self.score_timeout else None
         if not self._can_parallelize(len(items)):
-            return score_items(self.compute_score, items)
+            return self._score_serially(items, deadline)
         n_chunks = min(len(items), self.num_workers * 4)
         bounds = np.linspace(0, len(items), n_chunks + 1).astype(int)
         chunks = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         try:
             pool = self._get_pool()
             futures = [pool.submit(score_items, self.compute_score, chunk) for chunk in chunks]
-            return [result for future in futures for result in future.result()]
+            results = []
+            for chunk, future in zip(chunks, futures):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    results += future.result(timeout=left)
+                except FuturesTimeout:
+                    self._kill_pool()
+                    raise RewardTimeoutError(
+                        f"reward scoring did not finish within reward_model.score_timeout={self.score_timeout:g}s: "
+                        f"samples {chunk[0][0]}..{chunk[-1][0]} (data sources {sorted({str(c[1]) for c in chunk})}) "
+                        "were still being scored; the scoring processes were killed") from None
+            return results
         except BrokenProcessPool as exc:
             logger.warning("reward worker pool broke (%s); scoring this batch serially", exc)
             self._pool = None
+            return self._score_serially(items, deadline)
+
+    def _kill_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list(getattr(pool, "_processes", {}).values()):  # a hung scorer ignores shutdown
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def _score_serially(self, items: list[tuple], deadline: float | None) -> list[Any]:
+        """Score in this thread; past `deadline` a watchdog stops the scorer (the main thread: a
+        signal interrupts even a blocking call, and math-verify keeps its own alarm-based timeouts)
+        or the wait for it (any other thread)."""
+        if deadline is None:
             return score_items(self.compute_score, items)
+        current = [None]  # the sample being scored, for the error message
+
+        def scored() -> list[Any]:
+            out = []
+            for item in items:
+                current[0] = item
+                out += score_items(self.compute_score, [item])
+            return out
+
+        def timeout_error() -> RewardTimeoutError:
+            index, source = (current[0][0], current[0][1]) if current[0] else ("?", "?")
+            return RewardTimeoutError(
+                f"reward scoring did not finish within reward_model.score_timeout={self.score_timeout:g}s: "
+                f"sample {index} (data_source={source!r}) was still being scored")
+
+        if threading.current_thread() is not threading.main_thread():
+            box: dict[str, Any] = {}
+            runner = threading.Thread(target=lambda: box.update(out=_capture(scored)), daemon=True,
+                                      name="reward-scoring")
+            runner.start()
+            runner.join(max(0.0, deadline - time.monotonic()))
+            if runner.is_alive():
+                raise timeout_error()  # the thread cannot be stopped; the run ends with this error
+            kind, value = box["out"]
+            if kind == "error":
+                raise value
+            return value
+        fired = threading.Event()
+        done = threading.Event()
+        main_id = threading.main_thread().ident
+
+        def watchdog() -> None:
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                fired.set()
+                signal.pthread_kill(main_id, signal.SIGUSR2)
+
+        def on_signal(signum, frame):
+            if fired.is_set() and not done.is_set():
+                raise _ScoreDeadline()
+
+        previous = signal.signal(signal.SIGUSR2, on_signal)
+        guard = threading.Thread(target=watchdog, daemon=True, name="reward-watchdog")
+        guard.start()
+        try:
+            return scored()
+        except _ScoreDeadline:
+            raise timeout_error() from None
+        finally:
+            done.set()
+            guard.join()
+            signal.signal(signal.SIGUSR2, previous if previous is not None else signal.SIG_DFL)
 
     @staticmethod
     def valid_response_lengths(data: Any) -> torch.Tensor:
@@ -256,18 +357,27 @@ class NaiveRewardManager:
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         positions = self.score_positions(data).tolist()
         per_row: list[dict[str, Any]] = []
+        non_finite = []
         for i, result in enumerate(results):
             score, extras = _score_and_extras(result, i)
+            if not math.isfinite(score):  # a failed scoring of this sample, not a poisoned group
+                non_finite.append(i)
+                score = 0.0
             if positions[i] >= 0:  # else nothing the model sampled can carry it (counted below)
                 reward_tensor[i, positions[i]] = score
             per_row.append(extras)
         keys = [k for row in per_row for k in row]
         reward_extra_info: dict[str, list[Any]] = {k: [row.get(k) for row in per_row] for k in dict.fromkeys(keys)}
         self._examine(data, items, results, lengths)
+        if non_finite:
+            first = items[non_finite[0]]
+            logger.warning("%d of %d scores were NaN or infinite (first: sample %d, data_source=%r); scored 0.0",
+                           len(non_finite), n, first[0], first[1])
         if return_dict:
             unplaced = sum(p < 0 for p in positions)
             return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info,
-                    "reward_metrics": {"reward/rows_without_sampled_token": float(unplaced)}}
+                    "reward_metrics": {"reward/rows_without_sampled_token": float(unplaced),
+                                       "reward/non_finite_scores": float(len(non_finite))}}
         return reward_tensor
 
     def _examine(self, data: Any, items: list[tuple], results: list[Any], lengths: list[int]) -> None:
@@ -288,6 +398,13 @@ class NaiveRewardManager:
             print("[score]", result)
 
 
+def _capture(fn: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", fn()
+    except BaseException as exc:  # handed to the waiting thread
+        return "error", exc
+
+
 def _one_past_last(flags: torch.Tensor) -> torch.Tensor:
     """Per row of a [B, R] bool tensor: 1 + the last index holding True (0 for an all-False row)."""
     positions = torch.arange(1, flags.shape[-1] + 1, device=flags.device).expand_as(flags)
@@ -298,12 +415,14 @@ def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwa
     """Build the reward manager named by `config.reward_model.reward_manager` (default "naive").
 
     Uses `custom_reward_function` when its path is set, `data.reward_fn_key` (default
-    "data_source"), and the optional `reward_model.num_workers` / `reward_model.parallel_threshold`.
+    "data_source"), and the optional `reward_model.num_workers` / `reward_model.parallel_threshold` /
+    `reward_model.score_timeout`.
     """
     job = _job(config)
     reward_cfg = job.reward_model
     cls = get_reward_manager_cls(reward_cfg.reward_manager)
-    options = {"reward_fn_key": job.data.reward_fn_key, "parallel_threshold": reward_cfg.parallel_threshold}
+    options = {"reward_fn_key": job.data.reward_fn_key, "parallel_threshold": reward_cfg.parallel_threshold,
+               "score_timeout": reward_cfg.score_timeout}
     if reward_cfg.num_workers is not None:  # None: the manager's own choice, min(4, cpu count)
         options["num_workers"] = reward_cfg.num_workers
     options.update(kwargs)

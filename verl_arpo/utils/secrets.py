@@ -3,8 +3,14 @@
     mask_secrets(cfg)   a plain dict copy of a config with credential values replaced by ***
     mask_text(text)     `text` with the values of SECRET_ENV_VARS replaced by ***
 
-A key holds a credential when it matches *api_key*, *secret*, *password*, *credential*, or ends in
-`token` (`hf_token`, `access_token`) — so `ppo_max_token_len_per_gpu` and `tokenizer` stay visible.
+A key holds a credential when it matches *api_key*, *secret*, *password*, *credential*, *auth*
+(`authorization`, `auth_header`), *cookie*, a named key (`subscription_key`, `access_key`,
+`private_key`, `session_key`), or ends in `token` (`hf_token`, `access_token`) — so
+`ppo_max_token_len_per_gpu`, `tokenizer`, `author` and `prompt_key` stay visible.
+
+Free text loses the values of SECRET_ENV_VARS and of every environment variable whose name is a
+credential by the same rule (`OPENAI_API_KEY`, `MY_SERVICE_TOKEN`, variables passed through
+`ray_init.runtime_env.env_vars`), and the value of any `Authorization:` / `Bearer` header.
 """
 
 from __future__ import annotations
@@ -21,21 +27,33 @@ __all__ = ["SECRET_ENV_VARS", "MASK", "is_secret_key", "mask_text", "mask_secret
 SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 """Environment variables whose values are masked wherever they appear inside a string."""
 MASK = "***"
-_SECRET_KEY = re.compile(r"api_?key|secret|password|passwd|credential|token$", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"api_?key|secret|password|passwd|credential|authori[sz]ation|auth(?!or)|cookie"
+    r"|(?:subscription|access|private|session|signing|encryption)[-_]?key|token$", re.IGNORECASE)
+# "Authorization: Bearer abc", "authorization=abc", "Bearer abc" (headers echoed in errors or logs)
+_AUTH_HEADER = re.compile(r"((?:proxy-)?authorization\s*[:=]\s*(?:(?:bearer|basic|token)\s+)?|bearer\s+)"
+                          r"([^\s\"',;}]+)", re.IGNORECASE)
 
 
 def is_secret_key(key: Any) -> bool:
-    """True for keys holding credentials: *api_key*, *secret*, *password*, *credential*, *token (suffix)."""
+    """True for keys holding credentials (the rule in this module's docstring)."""
     return bool(_SECRET_KEY.search(str(key)))
 
 
+def _secret_env_values() -> list[str]:
+    names = set(SECRET_ENV_VARS) | {k for k in os.environ if is_secret_key(k)}
+    values = {os.environ.get(n, "") for n in names}
+    # longest first: a secret that contains another is masked whole
+    return sorted((v for v in values if len(v) >= 4), key=len, reverse=True)
+
+
 def mask_text(text: str) -> str:
-    """`text` with the values of SECRET_ENV_VARS (when set, >= 4 chars) replaced by ***."""
-    for name in SECRET_ENV_VARS:
-        value = os.environ.get(name, "")
-        if len(value) >= 4 and value in text:
+    """`text` with secret environment values (>= 4 chars) and Authorization/Bearer header values
+    replaced by ***."""
+    for value in _secret_env_values():
+        if value in text:
             text = text.replace(value, MASK)
-    return text
+    return _AUTH_HEADER.sub(lambda m: m.group(1) + MASK, text)
 
 
 def _mask(value: Any) -> Any:

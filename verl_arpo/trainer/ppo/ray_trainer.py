@@ -40,17 +40,47 @@ _SUMMED = ("branches", "fresh_refills", "duplicates", "tokens_generated", "token
            "cache_write_errors", "cache_writes")
 
 
+def _write_fingerprint(step_dir: str, config) -> None:
+    import json
+
+    from verl_arpo.utils.checkpoint_integrity import FINGERPRINT_FILE, run_fingerprint
+
+    with open(os.path.join(step_dir, FINGERPRINT_FILE), "w") as f:
+        json.dump(run_fingerprint(config), f, indent=1)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive steps were skipped for non-finite gradients."""
+
+
+_MAXED = ("perf/max_memory_", "perf/cpu_memory_peak_gb")
+
+
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """Lists (one entry per rank or per micro-batch) → one number: summed for counts, else the mean."""
+    """Lists (one entry per rank or per micro-batch) → one number: summed for counts, the largest for
+    memory peaks (the rank that runs out first is the one that matters), else the mean."""
     out = {}
     for k, v in metrics.items():
         vals = np.asarray(v if isinstance(v, (list, tuple, np.ndarray)) else [v], dtype=float)
         if vals.size == 0:
             continue
-        out[k] = float(vals.sum() if k.endswith(_SUMMED) else vals.mean())
+        out[k] = float(vals.sum() if k.endswith(_SUMMED) else vals.max() if k.startswith(_MAXED) else vals.mean())
     if "rollout/tokens_generated" in out and out.get("rollout/tokens_in_trajectories"):
         out["rollout/generated_per_traj_token"] = out["rollout/tokens_generated"] / out["rollout/tokens_in_trajectories"]
     return out
+
+
+def cpu_threads_per_worker(cluster_cpus: float, n_workers: int) -> int:
+    """CPUs each worker reserves (and uses as torch threads) when training on CPU: an equal share of
+    the cluster, at least 1. One worker on a 2-core machine then computes with 2 threads instead of
+    leaving a core idle; 2 workers get 1 each (docs/performance.md: workers × threads)."""
+    return max(1, int(cluster_cpus) // max(1, n_workers))
+
+
+def _cluster_cpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 1))
 
 
 def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
@@ -101,6 +131,7 @@ class RayPPOTrainer:
         self.total_training_steps = int(total) if total else int(config.trainer.total_epochs) * self.steps_per_epoch
         self.n_workers = derived.world_size
         self.global_steps = 0
+        self.consecutive_skipped = 0
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ workers
@@ -110,11 +141,15 @@ class RayPPOTrainer:
 
         cfg = self.config
         use_gpu = cfg.trainer.device == "cuda"  # resolved by normalize_config from the cluster's resources
-        self.resource_pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
-                                             use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1)
+        nodes = [int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes)
+        # GPU workers keep 1 CPU each (their compute is on the device); CPU workers split the cores
+        cpus = 1 if use_gpu else cpu_threads_per_worker(_cluster_cpus(), sum(nodes))
+        self.resource_pool = RayResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1,
+                                             cpus_per_bundle=cpus)
+        timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
         self.actor_rollout_wg = RayWorkerGroup(
             self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref"),
-            name_prefix="actor_rollout_ref")
+            name_prefix="actor_rollout_ref", call_timeout=timeout)
         self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.seed))
         infos = self.actor_rollout_wg.execute_all("get_node_info")  # after init_model: the process group exists
         print("[verl_arpo] worker ranks on nodes: " + ", ".join(
@@ -123,7 +158,7 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic_wg = RayWorkerGroup(self.resource_pool,
                                             RayClassWithInitArgs(CriticWorker, config=cfg.critic, seed=int(cfg.trainer.seed)),
-                                            name_prefix="critic")
+                                            name_prefix="critic", call_timeout=timeout)
             self.critic_wg.init_model(self.total_training_steps)
 
     def shutdown(self):
@@ -230,6 +265,7 @@ class RayPPOTrainer:
             if int(cfg.trainer.critic_warmup) < step:
                 with timed("update_actor", timing):
                     metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch).meta_info["metrics"]))
+                self._count_skipped_update(metrics)
                 if on_policy and "actor/update_entropy" in metrics:
                     # one mini-batch, one epoch: the update's only forward runs π_old itself
                     metrics["actor/entropy"] = metrics["actor/update_entropy"]
@@ -248,6 +284,29 @@ class RayPPOTrainer:
         metrics.update(compute_timing_metrics(timing))
         metrics.update(compute_throughput_metrics(batch, timing, self.n_workers))
         return metrics
+
+    def _count_skipped_update(self, metrics: dict[str, float]) -> None:
+        """training/skipped_step (every optimizer step of this update had a non-finite gradient
+        norm), training/consecutive_skipped_steps; past trainer.max_consecutive_skipped_steps in a
+        row the run stops: the policy is not learning and each step only costs time."""
+        steps = metrics.get("actor/optimizer_steps", 0.0)
+        skipped = steps > 0 and metrics.get("actor/skipped_optimizer_steps", 0.0) >= steps
+        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        metrics["training/skipped_step"] = float(skipped)
+        metrics["training/consecutive_skipped_steps"] = float(self.consecutive_skipped)
+        limit = int(self.config.trainer.max_consecutive_skipped_steps)
+        if skipped:
+            logger.warning("step %d: every optimizer step was skipped (non-finite gradient norm; non-finite "
+                           "losses %d, non-finite rewards %d); %d in a row", self.global_steps,
+                           int(metrics.get("actor/non_finite_losses", 0)),
+                           int(metrics.get("reward/non_finite_scores", 0)), self.consecutive_skipped)
+        if limit > 0 and self.consecutive_skipped >= limit:
+            raise NonFiniteTrainingError(
+                f"{self.consecutive_skipped} consecutive training steps had only non-finite gradient norms "
+                f"(trainer.max_consecutive_skipped_steps={limit}); last non-finite losses: "
+                f"{int(metrics.get('actor/non_finite_losses', 0))}, non-finite rewards: "
+                f"{int(metrics.get('reward/non_finite_scores', 0))}. Lower the learning rate, check the reward "
+                "function, or resume from the last checkpoint")
 
     # ------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
@@ -282,6 +341,7 @@ class RayPPOTrainer:
                 self.critic_wg.save_checkpoint(os.path.join(staging, "critic"), step)
             # the data order is a pure function of (data.seed, step): the step is all we need
             save_dataloader_state(staging, {"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None})
+            _write_fingerprint(staging, self.config)
             path = publish_checkpoint(root, step, staging)
         except BaseException:
             abort_checkpoint(staging)  # the previous checkpoint stays the one resume uses
@@ -293,7 +353,9 @@ class RayPPOTrainer:
 
     def load_checkpoint(self) -> int:
         """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
-        from verl_arpo.utils.checkpoint import find_latest_ckpt_path, load_dataloader_state
+        from verl_arpo.utils.checkpoint import (COMPLETE_MARKER, find_resumable_checkpoint, list_checkpoints,
+                                                load_dataloader_state)
+        from verl_arpo.utils.checkpoint_integrity import verify_checkpoint
 
         mode = self.config.trainer.resume_mode
         if mode == "disable":
@@ -304,11 +366,19 @@ class RayPPOTrainer:
                 raise ValueError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a "
                                  f"global_step_N folder, got {path!r}")
         elif mode == "auto":
-            path = find_latest_ckpt_path(self._ckpt_root())
+            path = find_resumable_checkpoint(self._ckpt_root())
             if path is None:
+                if list_checkpoints(self._ckpt_root()):
+                    raise ValueError(f"every checkpoint under {self._ckpt_root()} is damaged (see the warnings); "
+                                     "set trainer.resume_mode=disable to start over")
                 return 0
         else:
             raise ValueError(f"unknown trainer.resume_mode={mode!r}; accepted: auto, disable, resume_path")
+        if mode == "resume_path" and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            problems = verify_checkpoint(path, COMPLETE_MARKER)
+            if problems:  # the user chose this one: no fallback
+                raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}")
+        self._check_same_run(path)
         state = load_dataloader_state(path) or {}
         if "global_step" not in state:
             raise ValueError(f"checkpoint {path} has no data.pt with the global step; it was not written by verl_arpo")
@@ -318,38 +388,75 @@ class RayPPOTrainer:
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = state["kl_coef"]
         self.last_checkpoint = str(path)
-        print(f"[verl_arpo] resumed from {path} (step {state['global_step']})", flush=True)
-        return int(state["global_step"])
+        step = int(state["global_step"])
+        print(f"[verl_arpo] resumed from {path} (step {step})", flush=True)
+        if step >= self.total_training_steps:
+            print(f"[verl_arpo] the run in {self._ckpt_root()} is already complete (step {step} >= "
+                  f"total_training_steps={self.total_training_steps}): nothing to train. Raise "
+                  "trainer.total_training_steps to continue it, or use a new trainer.default_local_dir", flush=True)
+        return step
+
+    def _check_same_run(self, path: str) -> None:
+        """Refuse to resume a checkpoint of another model, data or algorithm (trainer.force_resume
+        overrides); checkpoints without a fingerprint (older versions) resume with a warning."""
+        import json
+
+        from verl_arpo.utils.checkpoint_integrity import (FINGERPRINT_FILE, fingerprint_differences,
+                                                          run_fingerprint)
+
+        saved_file = os.path.join(path, FINGERPRINT_FILE)
+        if not os.path.isfile(saved_file):
+            logger.warning("checkpoint %s has no %s: cannot tell whether it belongs to this run", path, FINGERPRINT_FILE)
+            return
+        with open(saved_file) as f:
+            diffs = fingerprint_differences(json.load(f), run_fingerprint(self.config))
+        if not diffs:
+            return
+        listed = "\n  ".join(diffs)
+        if self.config.trainer.force_resume:
+            logger.warning("resuming %s although the run changed (trainer.force_resume=true):\n  %s", path, listed)
+            return
+        raise ValueError(f"checkpoint {path} belongs to a different run:\n  {listed}\nUse a new "
+                         "trainer.default_local_dir for a new run, or set trainer.force_resume=true to continue "
+                         "this one with the changed settings")
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         from verl_arpo.trainer.config import mask_secrets
+        from verl_arpo.trainer.ppo.preemption import Preempted, PreemptionGuard
+        from verl_arpo.utils.checkpoint_integrity import RunDirLock
         from verl_arpo.utils.tracking import Tracking
 
         cfg = self.config.trainer
-        tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
-                           default_backend=list(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
-                           log_dir=os.path.join(self._ckpt_root(), "logs"))
-        tracker.set_total(self.total_training_steps)
-        start = self.load_checkpoint()
-        last_metrics: dict[str, float] = {}
-        if start == 0 and cfg.val_before_train and self.val_reward_fn is not None:
-            last_metrics = self._guard(self.validate, 0)
-            tracker.log(last_metrics, step=0)
-        save_freq, test_freq = int(cfg.save_freq), int(cfg.test_freq)
-        for step in range(start + 1, self.total_training_steps + 1):
-            self.global_steps = step
-            metrics = self._guard(self.train_step, step)
-            last = step == self.total_training_steps
-            if test_freq > 0 and (step % test_freq == 0 or last):
-                metrics.update(self._guard(self.validate, step))
-            if save_freq > 0 and (step % save_freq == 0 or last):
-                self._guard(self.save_checkpoint, step)
-            metrics["training/global_step"] = step
-            metrics["training/epoch"] = (step - 1) // self.steps_per_epoch
-            tracker.log(metrics, step=step)
-            last_metrics = metrics
-        tracker.finish()
+        with RunDirLock(self._ckpt_root()), PreemptionGuard(cfg.preemption_grace_s) as preempt:
+            tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
+                               default_backend=list(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
+                               log_dir=os.path.join(self._ckpt_root(), "logs"))
+            tracker.set_total(self.total_training_steps)
+            start = self.load_checkpoint()
+            last_metrics: dict[str, float] = {}
+            if start == 0 and cfg.val_before_train and self.val_reward_fn is not None:
+                last_metrics = self._guard(self.validate, 0)
+                tracker.log(last_metrics, step=0)
+            save_freq, test_freq = int(cfg.save_freq), int(cfg.test_freq)
+            for step in range(start + 1, self.total_training_steps + 1):
+                self.global_steps = step
+                metrics = self._guard(self.train_step, step)
+                last = step == self.total_training_steps
+                if test_freq > 0 and (step % test_freq == 0 or last):
+                    metrics.update(self._guard(self.validate, step))
+                saved = save_freq > 0 and (step % save_freq == 0 or last)
+                if saved or (preempt.requested and not last):  # SIGTERM: keep this step's work
+                    self._guard(self.save_checkpoint, step)
+                metrics["training/global_step"] = step
+                metrics["training/epoch"] = (step - 1) // self.steps_per_epoch
+                tracker.log(metrics, step=step)
+                last_metrics = metrics
+                if preempt.requested and not last:
+                    preempt.done()
+                    tracker.finish()
+                    raise Preempted(step, self.last_checkpoint)
+            tracker.finish()
         return last_metrics
 
     def _guard(self, fn, *args):

@@ -29,6 +29,7 @@ verl_arpo/workers/training_core.py, shared with the critic and SFT.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -210,7 +211,9 @@ class DataParallelPPOActor:
         """`ppo_epochs` passes of PPO over `data`; one optimizer step per mini-batch of
         `ppo_mini_batch_size` rows. Returns verl-named metrics (lists: one entry per mini-batch;
         losses are the mini-batch objective terms — under DP each rank's share × dp_size, so the
-        mean over ranks is the objective —, fractions/entropy are this rank's token means)."""
+        mean over ranks is the objective —, fractions/entropy are this rank's token means), and the
+        update's counts: actor/optimizer_steps, actor/skipped_optimizer_steps (a non-finite gradient
+        norm skips the step) and actor/non_finite_losses (micro-batches)."""
         c = self.config
         if self.actor_optimizer is None:
             raise ValueError("update_policy needs an optimizer (actor_optimizer=None)")
@@ -244,6 +247,7 @@ class DataParallelPPOActor:
         use_dynamic = bool(c.use_dynamic_bsz)
         policy_loss_fn = self._policy_loss_fn()
         metrics: dict[str, list | float] = defaultdict(list)
+        optimizer_steps = skipped = non_finite_losses = 0
         self.actor_module.train()
         for _ in range(int(c.ppo_epochs)):
             epoch_batch = batch
@@ -259,6 +263,7 @@ class DataParallelPPOActor:
                 for micro in micro_batches:
                     micro = to_device(micro, self.device)
                     loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
+                    non_finite_losses += not math.isfinite(loss.item())
                     loss.backward()
                     sums["pg_loss"] += stats.pop("pg_loss")
                     if "kl_loss" in stats:
@@ -269,6 +274,12 @@ class DataParallelPPOActor:
                 for k, v in {**sums, **means.means()}.items():
                     metrics[k if "/" in k else f"actor/{k}"].append(v)  # mismatch/* keep their prefix
                 metrics["actor/grad_norm"].append(grad_norm)
+                optimizer_steps += 1
+                skipped += not math.isfinite(grad_norm)  # clip_grad_and_step skipped it
+        # counts of this update (the same on every rank: the skip decision uses the global norm)
+        metrics["actor/optimizer_steps"] = float(optimizer_steps)
+        metrics["actor/skipped_optimizer_steps"] = float(skipped)
+        metrics["actor/non_finite_losses"] = float(non_finite_losses)
         if self.use_kl_loss:  # inactive KL loss: actor/kl_loss and actor/kl_coef are not logged
             metrics["actor/kl_coef"] = float(c.kl_loss_coef)
         return dict(metrics)

@@ -24,6 +24,13 @@ sibling ``.sqlite`` database and import the JSON into it (again only if the JSON
 ``export_json`` writes the reference's format back (atomically), and
 ``python -m verl_arpo.workers.rollout.tools.cache export|import|stats`` does it from the shell.
 
+Entries are keyed by ``namespace`` + query. A search tool's namespace names the tool and every
+parameter that shapes its answer (class, endpoint, market, corpus checksum, ``max_results``,
+``result_length``): switching tools or parameters on the same ``cache_file`` starts a fresh set of
+entries instead of serving the other configuration's answers. Reads that fail after start-up
+(an I/O error, a file replaced underneath) are counted (``cache_read_errors``) and answered as a
+miss: the search then runs uncached.
+
 ``async_write=True`` (the seeds' ``async_cache_write``) queues writes to a background thread that
 commits them in batches; reads see queued entries at once, and ``flush``/``close``/interpreter
 exit drain the queue.
@@ -74,8 +81,10 @@ def _rollback(conn: sqlite3.Connection) -> None:
 class SearchCache:
     """Query -> formatted result store. Thread-safe; safe to use from many processes at once."""
 
-    def __init__(self, cache_file: str | Path, async_write: bool = False):
+    def __init__(self, cache_file: str | Path, async_write: bool = False, namespace: str = ""):
         self.path, json_file = db_path_for(cache_file)
+        self.namespace = str(namespace)
+        self._prefix = f"{self.namespace}\x1f" if self.namespace else ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.async_write = async_write
         self._stats_lock = threading.Lock()
@@ -153,29 +162,48 @@ class SearchCache:
 
     # ---------------------------------------------------------------------------- reads
     def get(self, query: str) -> str | None:
-        """The cached result for ``query`` or None; counts a hit or a miss."""
+        """The cached result for ``query`` or None; counts a hit or a miss (or a read error)."""
+        key = self._prefix + query
         with self._pending_lock:
-            value = self._pending.get(query)
+            value = self._pending.get(key)
         if value is None:
-            row = self._conn().execute("SELECT result FROM cache WHERE query=?", (query,)).fetchone()
+            try:
+                row = self._conn().execute("SELECT result FROM cache WHERE query=?", (key,)).fetchone()
+            except sqlite3.Error as exc:  # the search goes on uncached
+                self._count_error("read_errors", 1, exc, "read")
+                return None
             value = row[0] if row else None
         with self._stats_lock:
             self._stats["hits" if value is not None else "misses"] += 1
         return value
 
     def __contains__(self, query: str) -> bool:
+        key = self._prefix + query
         with self._pending_lock:
-            if query in self._pending:
+            if key in self._pending:
                 return True
-        return self._conn().execute("SELECT 1 FROM cache WHERE query=?", (query,)).fetchone() is not None
+        return self._conn().execute("SELECT 1 FROM cache WHERE query=?", (key,)).fetchone() is not None
+
+    def _own(self) -> tuple[str, tuple]:
+        """SQL condition selecting this namespace's rows (all rows without a namespace)."""
+        if not self._prefix:
+            return "1", ()
+        # keys start with the prefix: a range scan on the primary key ("\x1f" + 1 = "\x20")
+        return "query >= ? AND query < ?", (self._prefix, self._prefix[:-1] + "\x20")
 
     def __len__(self) -> int:
         self.flush()
-        return self._conn().execute("SELECT COUNT(*) FROM cache").fetchone()[0]
+        where, args = self._own()
+        return self._conn().execute(f"SELECT COUNT(*) FROM cache WHERE {where}", args).fetchone()[0]
 
     def items(self) -> Iterator[tuple[str, str]]:
+        """(query, result) of this namespace, queries without the namespace."""
         self.flush()
-        yield from self._conn().execute("SELECT query, result FROM cache ORDER BY query")
+        where, args = self._own()
+        n = len(self._prefix)
+        for key, result in self._conn().execute(f"SELECT query, result FROM cache WHERE {where} ORDER BY query",
+                                                args):
+            yield key[n:], result
 
     # ---------------------------------------------------------------------------- writes
     def put(self, query: str, result: str) -> None:
@@ -184,6 +212,7 @@ class SearchCache:
             raise RuntimeError("SearchCache is closed")
         with self._stats_lock:
             self._stats["writes"] += 1
+        query = self._prefix + query
         if not self.async_write:
             try:
                 self._write_many([(query, result)])
@@ -212,11 +241,15 @@ class SearchCache:
         """[reliability, issue 9] A cache write that fails (disk full, read-only file) used to raise
         out of `put`, so every *successful* search then answered with an SQLite error. It is counted
         (`cache_write_errors`) and logged (the 1st, then every 100th); the entries stay uncached."""
+        self._count_error("write_errors", n, exc, "write")
+
+    def _count_error(self, stat: str, n: int, exc: Exception, what: str) -> None:
         with self._stats_lock:
-            self._stats["write_errors"] = self._stats.get("write_errors", 0) + n
-            count = self._stats["write_errors"]
+            self._stats[stat] = self._stats.get(stat, 0) + n
+            count = self._stats[stat]
         if count == n or count // 100 != (count - n) // 100:
-            logger.warning("search cache %s: could not write %d entries (%d so far): %s", self.path, n, count, exc)
+            logger.warning("search cache %s: could not %s %d entries (%d so far): %s", self.path, what, n, count,
+                           exc)
 
     def _ensure_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -279,7 +312,7 @@ class SearchCache:
         data = json.loads(Path(json_file).read_text(encoding="utf-8") or "{}")
         if not isinstance(data, dict):
             raise ValueError(f"{json_file}: expected a JSON object {{query: result}}")
-        rows = [(str(k), v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+        rows = [(self._prefix + str(k), v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
                 for k, v in data.items()]
         verb = "INSERT OR REPLACE" if overwrite else "INSERT OR IGNORE"
         conn = self._conn()
@@ -294,7 +327,7 @@ class SearchCache:
 
     def _import_once(self, json_file: Path) -> None:
         st = json_file.stat()
-        key, sig = f"imported:{json_file.resolve()}", f"{st.st_size}:{st.st_mtime_ns}"
+        key, sig = f"imported:{self.namespace}:{json_file.resolve()}", f"{st.st_size}:{st.st_mtime_ns}"
         conn = self._conn()
         row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         if row and row[0] == sig:
@@ -323,12 +356,22 @@ class SearchCache:
         looked = s["hits"] + s["misses"]
         out = {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_writes": s["writes"],
                "cache_hit_rate": s["hits"] / looked if looked else 0.0}
-        if s.get("write_errors"):
-            out["cache_write_errors"] = s["write_errors"]
+        for stat in ("write_errors", "read_errors"):
+            if s.get(stat):
+                out[f"cache_{stat}"] = s[stat]
         return out
 
     def __repr__(self) -> str:
-        return f"SearchCache({str(self.path)!r}, async_write={self.async_write})"
+        return f"SearchCache({str(self.path)!r}, async_write={self.async_write}, namespace={self.namespace!r})"
+
+
+def namespace_counts(cache: SearchCache) -> list[tuple[str, int]]:
+    """(namespace, entries) of every tool configuration in the file; '' for un-namespaced keys."""
+    counts: dict[str, int] = {}
+    for key, _ in cache.items():
+        ns = key.split("\x1f", 1)[0] if "\x1f" in key else ""
+        counts[ns] = counts.get(ns, 0) + 1
+    return sorted(counts.items())
 
 
 def main(argv=None) -> None:
@@ -336,11 +379,16 @@ def main(argv=None) -> None:
     ap.add_argument("command", choices=["stats", "export", "import"])
     ap.add_argument("cache_file", help="the .sqlite database (or the .json it shadows)")
     ap.add_argument("json_file", nargs="?", help="JSON file for export/import")
+    ap.add_argument("--namespace", default="",
+                    help="the tool configuration's entries (as `stats` lists them; a tool's cache_namespace())")
     args = ap.parse_args(argv)
-    cache = SearchCache(args.cache_file)
+    cache = SearchCache(args.cache_file, namespace=args.namespace)
     try:
         if args.command == "stats":
-            print(f"{cache.path}: {len(cache)} entries")
+            print(f"{cache.path}: {len(cache)} entries" + (f" in namespace {args.namespace!r}" if args.namespace else ""))
+            if not args.namespace:
+                for ns, n in namespace_counts(cache):
+                    print(f"  {n:8d}  {ns!r}")
         elif not args.json_file:
             ap.error(f"{args.command} needs a json_file")
         elif args.command == "export":

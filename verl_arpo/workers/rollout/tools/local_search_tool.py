@@ -81,9 +81,18 @@ class LocalSearchTool(BaseTool):
         self.index = bm25s.BM25()
         self.index.index(tokens, show_progress=False)
         self._lock = threading.Lock()  # bm25s does not document retrieve() as thread-safe
-        self.cache = SearchCache(cache_file, async_write=async_cache_write) if cache_file else None
+        self.cache = (SearchCache(cache_file, async_write=async_cache_write, namespace=self.cache_namespace())
+                      if cache_file else None)
         if _ignored:
             logger.info("LocalSearchTool ignores params %s", sorted(_ignored))
+
+    def cache_namespace(self) -> str:
+        """What shapes an answer besides the query: the corpus (by content) and result formatting."""
+        import hashlib
+
+        with open(self.corpus_path, "rb") as f:
+            corpus = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        return f"local corpus={corpus} max_results={self.max_results} result_length={self.result_length}"
 
     def search(self, query: str, k: int | None = None) -> list[dict[str, Any]]:
         """Top documents with score > 0, best first, each with its ``score``."""
@@ -107,7 +116,7 @@ class LocalSearchTool(BaseTool):
         hits = self.search(query, k=self.max_results * 2)
         text = format_results([f"{h['title']}: {h['text']}" for h in hits], self.max_results,
                               self.result_length)
-        if self.cache is not None:
+        if self.cache is not None and hits:  # no hit is cheap to recompute: keep the cache to answers
             self.cache.put(query, text)
         return text
 

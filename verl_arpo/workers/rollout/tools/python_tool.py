@@ -37,16 +37,28 @@ What is not covered:
   There is no cgroup limit (none is available to an unprivileged launcher here).
 - Determinism: time, randomness and /proc/cpuinfo are the host's.
 
-Without bubblewrap (``sandbox: none``, or ``auto`` on a machine where bwrap is missing or fails) the
-code runs as a plain subprocess with the same rlimits, minimal environment, a fresh temp work dir,
-and uid 65534 when root. Then NOT covered in addition: network access, reading world-readable
-files (/etc, /usr, /tmp), writing world-writable places (/tmp, /dev/shm), and processes that call
-setsid() to escape the timeout kill (they still die at the CPU limit). A warning says so once.
+The sandbox fails closed: ``auto`` uses bubblewrap, and where bubblewrap cannot start (it is
+missing, or user namespaces are disabled) building the tool raises ``SandboxUnavailableError``,
+which stops the run (docs/tools.md, "The Python sandbox").
+
+``sandbox: none`` is the explicit opt-out: the code runs as a plain subprocess with the same
+rlimits, minimal environment, a fresh temp work dir, and uid 65534 when root. Every tool built
+this way logs a warning, and ``tools/python/unsandboxed`` is 1 in the metrics. What it still
+covers: the child's own environment holds no host variable; the process running the tool is
+made non-dumpable, so same-user code cannot read its ``/proc/<pid>/environ`` or attach to it;
+descendants are killed when the call ends, also those that called setsid() to leave the process
+group (the launcher is their subreaper, and orphans that outlive it are found by the call's
+marker variable). NOT covered: network access (Ray's local ports included), reading world-readable
+files (/etc, /usr, /tmp) and, when not root, everything the user can read (other processes'
+command lines and environments, ``~/.netrc``) and write (the checkpoint directory: checkpoint
+files load with ``weights_only=True``, so a planted file is data, never code).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -78,6 +90,8 @@ _CHILD_ENV = {
     "MKL_NUM_THREADS": "1",
     "MPLBACKEND": "Agg",
 }
+_MARKER = "VERL_ARPO_SANDBOX_CALL"  # per-call token in the child's environment (finds its orphans)
+_PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER = 4, 36
 _MAX_CODE_CHARS = 1_000_000
 _STDERR_CAP = 64 * 1024
 _TRACEBACK_LINES = 25
@@ -93,7 +107,46 @@ _TRACEBACK_LINES = 25
 # C module _ast instead of `import ast` (~15 ms), and traceback/linecache load only on error.
 _LAUNCHER = r"""
 import _ast, resource, sys
-_a = [int(x) for x in sys.argv[1:7]]
+_a = [int(x) for x in sys.argv[1:8]]
+if _a[6]:  # no PID namespace (sandbox: none): become the subreaper of whatever the code starts
+    import ctypes
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+
+
+def _reap():
+    # kill every descendant (setsid() ones included: as orphans they became our children), then
+    # collect them; repeat while a fork raced the scan
+    import os, signal
+    me = os.getpid()
+    for _ in range(10):
+        kids = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open("/proc/" + d + "/stat", "rb") as f:
+                        st = f.read()
+                    kids.setdefault(int(st[st.rfind(b")") + 2:].split()[1]), []).append(int(d))
+                except (OSError, ValueError, IndexError):
+                    pass
+        todo, found = list(kids.get(me, [])), []
+        while todo:
+            p = todo.pop()
+            found.append(p)
+            todo += kids.get(p, [])
+        if not found:
+            return
+        for p in found:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        for p in kids.get(me, []):
+            try:
+                os.waitpid(p, 0)
+            except OSError:
+                pass
+
+
 for _r, _v in ((resource.RLIMIT_AS, _a[0]), (resource.RLIMIT_NPROC, _a[2]),
                (resource.RLIMIT_FSIZE, _a[3]), (resource.RLIMIT_NOFILE, _a[4])):
     if _v > 0:
@@ -136,6 +189,10 @@ except SystemExit:
 except BaseException as _e:
     _g.clear()  # free what the code held (e.g. after a MemoryError) before importing traceback
     _show(_e, _e.__traceback__.tb_next)
+finally:
+    if _a[6]:
+        sys.stdout.flush()
+        _reap()
 """
 
 
@@ -165,7 +222,26 @@ def _readable_by_others(path: str) -> bool:
 
 _probe_lock = threading.Lock()
 _probe_result: bool | None = None
-_fallback_warned = False
+_probe_reason = ""
+_host_protected = False
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The sandbox the config asks for cannot run here (bubblewrap missing or unable to start)."""
+
+
+def _protect_host() -> None:
+    """For sandbox=none: make this process non-dumpable (same-user code can then neither read its
+    /proc/<pid>/environ, cmdline-adjacent files and memory, nor ptrace it) and the subreaper of its
+    descendants (an orphaned sandbox process becomes our child, so a call can find and kill it)."""
+    global _host_protected
+    if _host_protected:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        logger.warning("PythonTool: prctl failed (errno %d): the host process stays readable by the code",
+                       ctypes.get_errno())
+    _host_protected = True
 
 
 def _drop_to() -> int | None:
@@ -175,7 +251,7 @@ def _drop_to() -> int | None:
 
 def bwrap_available() -> bool:
     """Probe once per process whether bubblewrap actually works here (not just installed)."""
-    global _probe_result
+    global _probe_result, _probe_reason
     with _probe_lock:
         if _probe_result is None:
             exe = shutil.which("bwrap")
@@ -188,8 +264,10 @@ def bwrap_available() -> bool:
                                        user=uid, group=uid, extra_groups=[] if uid is not None else None)
                     ok = r.returncode == 0
                     if not ok:
-                        logger.warning("bubblewrap probe failed: %s", r.stderr.decode(errors="replace")[:300])
+                        _probe_reason = r.stderr.decode(errors="replace").strip()[:300] or f"exit {r.returncode}"
+                        logger.warning("bubblewrap probe failed: %s", _probe_reason)
                 except (OSError, subprocess.SubprocessError) as exc:
+                    _probe_reason = str(exc)
                     logger.warning("bubblewrap probe failed: %s", exc)
             _probe_result = ok
         return _probe_result
@@ -255,10 +333,20 @@ class PythonTool(BaseTool):
         self.preprocess = preprocess
         self.python_path = self._resolve_python(python_path, conda_path, conda_env)
         self.ro_paths = self._interpreter_prefixes(self.python_path) + [str(p) for p in extra_ro_paths]
-        if sandbox == "bwrap" and not bwrap_available():
-            raise RuntimeError("sandbox=bwrap requested but bubblewrap is missing or does not work "
-                               "(apt-get install bubblewrap; unprivileged user namespaces needed)")
+        if sandbox in ("auto", "bwrap") and not bwrap_available():
+            raise SandboxUnavailableError(
+                f"PythonTool (sandbox={sandbox}): bubblewrap cannot start here ({_probe_reason or 'not installed'}); "
+                "model-written code runs only inside a sandbox. Install bubblewrap (apt-get install bubblewrap) and "
+                "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                "user.max_user_namespaces > 0), or set tool_instances.python.params.sandbox=none to run it as a "
+                "plain subprocess without network or filesystem isolation (an explicit opt-out: logged, and "
+                "tools/python/unsandboxed=1 in the metrics)")
         self.sandbox = sandbox
+        if sandbox == "none":
+            logger.warning("PythonTool: sandbox=none -- model-written code runs WITHOUT network or filesystem "
+                           "isolation (rlimits, a minimal environment and descendant cleanup only); see the "
+                           "threat model in docs/tools.md")
+            _protect_host()
 
     # ----------------------------------------------------------------- configuration helpers
     @staticmethod
@@ -288,26 +376,21 @@ class PythonTool(BaseTool):
         return out
 
     def _use_bwrap(self) -> bool:
-        global _fallback_warned
-        if self.sandbox == "none":
-            return False
-        if bwrap_available():
-            return True
-        if not _fallback_warned:
-            _fallback_warned = True
-            logger.warning("bubblewrap unavailable: PythonTool falls back to a plain subprocess with "
-                           "rlimits (no network/filesystem isolation; see python_tool.py threat model)")
-        return False
+        return self.sandbox != "none"  # the constructor refused every other case without bubblewrap
+
+    def metrics(self) -> dict[str, float]:
+        """``unsandboxed``: 1 when this tool runs code without bubblewrap (sandbox=none)."""
+        return {"unsandboxed": float(self.sandbox == "none")}
 
     # -------------------------------------------------------------------------------- running
     def run(self, content: str) -> str:
         if len(content) > _MAX_CODE_CHARS:
             raise ToolError(f"code too long ({len(content)} characters, limit {_MAX_CODE_CHARS})",
                             retryable=False)
-        limits = [self.memory_mb << 20, self.cpu_seconds, self.max_processes, self.max_file_mb << 20, 256,
-                  int(self.preprocess)]
-        cmd = [self.python_path, "-I", "-c", _LAUNCHER] + [str(v) for v in limits]
         use_bwrap = self._use_bwrap()
+        limits = [self.memory_mb << 20, self.cpu_seconds, self.max_processes, self.max_file_mb << 20, 256,
+                  int(self.preprocess), int(not use_bwrap)]
+        cmd = [self.python_path, "-I", "-c", _LAUNCHER] + [str(v) for v in limits]
         workdir = None
         if use_bwrap:
             argv = [shutil.which("bwrap")] + _bwrap_system_args(self.tmpfs_mb << 20, self.ro_paths) + cmd
@@ -319,8 +402,8 @@ class PythonTool(BaseTool):
             argv, cwd = cmd, workdir
         try:
             rc, out, err, timed_out, overflow = _run_bounded(
-                argv, content.encode("utf-8", "replace"), cwd, self.timeout, 4 * self.max_output_chars + 4
-            )
+                argv, content.encode("utf-8", "replace"), cwd, self.timeout, 4 * self.max_output_chars + 4,
+                track_orphans=not use_bwrap)
         finally:
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -351,17 +434,50 @@ class PythonTool(BaseTool):
         return f"{text.rstrip()}\n{msg}" if text.strip() else msg
 
 
+def _kill_marked(token: str) -> int:
+    """SIGKILL (and collect, when they are our children) every process whose environment carries
+    this call's marker: descendants that left the process group and outlived the launcher. Returns
+    how many were found."""
+    needle = f"{_MARKER}={token}".encode() + b"\0"
+    me, found = os.getpid(), 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle not in f.read() + b"\0":
+                    continue
+            with open(f"/proc/{d}/stat", "rb") as f:
+                st = f.read()
+            ppid = int(st[st.rfind(b")") + 2:].split()[1])
+            os.kill(int(d), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):  # gone, or not ours to read
+            continue
+        found += 1
+        if ppid == me:  # we are its subreaper: collect it
+            try:
+                os.waitpid(int(d), 0)
+            except ChildProcessError:
+                pass
+    return found
+
+
 def _run_bounded(argv: list[str], stdin: bytes, cwd: str, timeout: float,
-                 out_cap: int) -> tuple[int, bytes, bytes, bool, bool]:
+                 out_cap: int, track_orphans: bool = False) -> tuple[int, bytes, bytes, bool, bool]:
     """Run ``argv`` with a wall timeout, reading at most ``out_cap`` bytes of stdout.
 
     Returns (returncode, stdout, stderr, timed_out, stdout_overflowed). On timeout or overflow the
-    whole process group is SIGKILLed; for bwrap that takes the PID namespace down with it.
+    whole process group is SIGKILLed; for bwrap that takes the PID namespace down with it. With
+    ``track_orphans`` (no PID namespace) the child's environment carries a per-call marker, and
+    processes holding it are killed once the launcher is gone: a setsid() daemon can neither outlive
+    the call nor hold its pipes open until the timeout.
     """
     uid = _drop_to()
+    token = secrets.token_hex(8) if track_orphans else ""
+    env = dict(_CHILD_ENV, **({_MARKER: token} if token else {}))
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-        env=dict(_CHILD_ENV), start_new_session=True, close_fds=True,
+        env=env, start_new_session=True, close_fds=True,
         user=uid, group=uid, extra_groups=[] if uid is not None else None,
     )
     out, err = bytearray(), bytearray()
@@ -383,6 +499,8 @@ def _run_bounded(argv: list[str], stdin: bytes, cwd: str, timeout: float,
             if left <= 0:
                 timed_out = True
                 break
+            if token and proc.poll() is not None:
+                _kill_marked(token)  # the launcher is gone: whoever still holds the pipes is an orphan
             for key, _ in sel.select(timeout=min(left, 0.5)):
                 f = key.fileobj
                 if f is proc.stdin:
@@ -426,4 +544,8 @@ def _run_bounded(argv: list[str], stdin: bytes, cwd: str, timeout: float,
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f and not f.closed:
                 f.close()
+        if token:
+            for _ in range(10):  # a fork racing the scan is caught by the next round
+                if not _kill_marked(token):
+                    break
     return proc.returncode, bytes(out), bytes(err), timed_out, overflow

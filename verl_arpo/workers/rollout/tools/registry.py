@@ -9,7 +9,7 @@ optional)::
       timeout: 120         wall seconds per call, retries included
       retry_count: 3       extra attempts after an exception or an empty result
       verbose_logging: true
-      fail_on_error: false raise when a tool cannot be built (else: warn and skip it)
+      fail_on_error: true  raise when a tool cannot be built (false: warn and skip it)
       tool_instances:
         python: {class_path: verl.workers.rollout.tools.python_tool.PythonTool, params: {...}}
 
@@ -93,8 +93,13 @@ def resolve_class(class_path: str) -> type:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
+class ToolBuildError(RuntimeError):
+    """A configured tool could not be built (and tools.fail_on_error is true)."""
+
+
 def build_tools(cfg: ToolsConfig | Mapping | str | Path | Any) -> dict[str, BaseTool]:
-    """``{trigger_tag: tool}``; a tool that fails to load is skipped unless ``fail_on_error``."""
+    """``{trigger_tag: tool}``; a tool that fails to load is an error (skipped with a warning only
+    when ``fail_on_error`` is false)."""
     config = load_tools_config(cfg)
     tools: dict[str, BaseTool] = {}
     for name, spec in config.tool_instances.items():
@@ -106,7 +111,10 @@ def build_tools(cfg: ToolsConfig | Mapping | str | Path | Any) -> dict[str, Base
                 raise ValueError(f"trigger tag <{tag}> is already used by {tools[tag]!r}")
         except Exception as exc:
             if config.fail_on_error:
-                raise
+                raise ToolBuildError(
+                    f"tool {name!r} ({spec.get('class_path')}) could not be built: {type(exc).__name__}: {exc}. "
+                    "Fix its params, or set actor_rollout_ref.rollout.tools.fail_on_error=false to train "
+                    "without it") from exc
             logger.warning("tool %r not loaded (%s: %s); continuing without it", name,
                            type(exc).__name__, exc)
             continue

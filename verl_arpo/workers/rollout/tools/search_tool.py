@@ -104,7 +104,8 @@ class BingSearchTool(BaseTool):
         self.request_timeout = float(request_timeout)
         self.http_retries = int(http_retries)
         self.retry_backoff = float(retry_backoff)
-        self.cache = SearchCache(cache_file, async_write=async_cache_write) if cache_file else None
+        self.cache = (SearchCache(cache_file, async_write=async_cache_write, namespace=self.cache_namespace())
+                      if cache_file else None)
         self._sessions = threading.local()  # requests.Session is not documented thread-safe
         if not self._api_key:
             logger.warning("BingSearchTool: no API key (set api_key or BRIGHTDATA_API_KEY); "
@@ -112,6 +113,11 @@ class BingSearchTool(BaseTool):
 
     def __repr__(self) -> str:  # never the key
         return f"BingSearchTool(zone={self.zone!r}, endpoint={self.endpoint!r}, cache={self.cache!r})"
+
+    def cache_namespace(self) -> str:
+        """What shapes an answer besides the query: the endpoint, market and result formatting."""
+        return (f"bing endpoint={self.endpoint} mkt={self.mkt} lang={self.language} cc={self.location} "
+                f"max_results={self.max_results} result_length={self.result_length}")
 
     # ---------------------------------------------------------------------------------------
     def bing_url(self, query: str) -> str:
@@ -135,8 +141,9 @@ class BingSearchTool(BaseTool):
             raise ToolError("search failed: malformed response (organic is not a list)", retryable=False)
         snippets = [o.get("description", "") for o in organic or [] if isinstance(o, dict)]
         text = format_results(snippets, self.max_results, self.result_length)
-        # No `organic` key at all may be an error page in disguise: answer, but do not remember it.
-        if self.cache is not None and organic is not None:
+        # No `organic` key at all may be an error page in disguise, and an empty list may be a
+        # transient outage answered with 200: answer, but do not remember either.
+        if self.cache is not None and organic is not None and text != NO_RESULTS:
             self.cache.put(query, text)
         return text
 

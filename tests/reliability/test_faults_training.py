@@ -1,0 +1,206 @@
+"""Preemption and resuming the right thing, with the real entry point (`python -m
+verl_arpo.trainer.main_ppo --config-name=cpu_tiny`, its own Ray cluster, 2 CPU workers):
+
+- SIGTERM during a step: the step finishes, is checkpointed, the run exits 143; the resumed run's
+  metrics equal an uninterrupted run's, step by step;
+- SIGTERM with a grace period too short for the step: the process exits 143 within the grace, and
+  the last complete checkpoint stays the one resume uses;
+- a damaged newest checkpoint: resume falls back to the previous one with a warning;
+- a second run on a directory in use stops at start-up; a run with another model, data or
+  algorithm refuses to resume (trainer.force_resume overrides).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# metrics that depend on wall time or on what a cache already held, not on the training itself
+_VOLATILE = ("timing", "time_", "perf/", "throughput", "memory", "cache_", "/calls_per_s", "abandoned")
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    from verl_arpo.utils.tiny_model import TOOL_PROMPT_USER
+
+    d = tmp_path_factory.mktemp("toy_data")
+    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": TOOL_PROMPT_USER}],
+             "ability": "math", "reward_model": {"ground_truth": "408", "style": "rule"},
+             "extra_info": {"index": i}} for i in range(8)]
+    pd.DataFrame(rows).to_parquet(d / "train.parquet")
+    return d
+
+
+def _cmd(model_dir, data_dir, out_dir, *extra):
+    return [sys.executable, "-m", "verl_arpo.trainer.main_ppo", "--config-name=cpu_tiny",
+            f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data_dir}/train.parquet",
+            "data.val_files=null", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            f"trainer.default_local_dir={out_dir}", "data.max_prompt_length=64", "data.max_response_length=64",
+            "data.train_batch_size=2", "trainer.logger=[jsonl]", "trainer.total_training_steps=4",
+            "trainer.save_freq=100", "actor_rollout_ref.rollout.tools.call_limit=2",
+            f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out_dir}/search.sqlite",
+            f"hydra.run.dir={out_dir}/hydra", *extra]
+
+
+def _env():
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _metrics(out_dir):
+    rows = [json.loads(line) for line in (Path(out_dir) / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not any(s in k for s in _VOLATILE)} for r in rows}
+
+
+def _run_until(cmd, log, pattern, then):
+    """Start `cmd`; when its output shows `pattern`, call `then(proc)`; return (exit code, output)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and pattern not in Path(log).read_text():
+            assert time.monotonic() < deadline, Path(log).read_text()[-3000:]
+            time.sleep(0.05)
+        if proc.poll() is None:
+            then(proc)
+        rc = proc.wait(timeout=600)
+    return rc, Path(log).read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_step_in_flight_and_the_resumed_run_matches(tool_model_dir, toy_data, tmp_path):
+    ref, cut = tmp_path / "reference", tmp_path / "preempted"
+    r = subprocess.run(_cmd(tool_model_dir, toy_data, ref), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sent = {}
+
+    def sigterm(proc):
+        sent["t"] = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+
+    # step 1 is logged: step 2 is in flight when the signal arrives
+    rc, out = _run_until(_cmd(tool_model_dir, toy_data, cut, "trainer.preemption_grace_s=300"),
+                         tmp_path / "cut.log", "step 1/4", sigterm)
+    assert rc == 143, out[-3000:]
+    assert "SIGTERM: finishing the step in flight" in out and "preempted (SIGTERM) after step 2" in out
+    assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(_metrics(cut)) == [1, 2]
+    r = subprocess.run(_cmd(tool_model_dir, toy_data, cut), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resumed from {cut / 'global_step_2'} (step 2)" in r.stdout
+    got, want = _metrics(cut), _metrics(ref)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step] == want[step], (step, {k: (got[step].get(k), v) for k, v in want[step].items()
+                                                if got[step].get(k) != v})
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_short_grace_exits_in_time_keeping_the_last_checkpoint(tool_model_dir, toy_data, tmp_path):
+    run = tmp_path / "run"
+    sent = {}
+
+    def sigterm(proc):
+        sent["t"] = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+
+    # checkpoints at steps 1 and 2; the signal lands in step 3 with 1 s of grace
+    rc, out = _run_until(_cmd(tool_model_dir, toy_data, run, "trainer.save_freq=1", "trainer.preemption_grace_s=1"),
+                         tmp_path / "run.log", "step 2/4", sigterm)
+    took = time.monotonic() - sent["t"]
+    assert rc == 143 and took < 15, (rc, took, out[-3000:])
+    assert "grace period of 1 s is over" in out
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    from verl_arpo.utils.checkpoint import find_resumable_checkpoint
+
+    assert find_resumable_checkpoint(str(run)) == str(run / "global_step_2")
+
+
+def _two_checkpoints(model_dir, data_dir, run):
+    r = subprocess.run(_cmd(model_dir, data_dir, run, "trainer.save_freq=1", "trainer.total_training_steps=2"),
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tool_model_dir, toy_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("two_ckpts") / "run"
+    _two_checkpoints(tool_model_dir, toy_data, run)
+    return run
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path, caplog):
+    import shutil
+
+    from verl_arpo.utils.checkpoint import find_latest_ckpt_path, find_resumable_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    shard = next((run / "global_step_2" / "actor" / "model").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle of the weights: same size
+    shard.write_bytes(bytes(data))
+    assert find_latest_ckpt_path(str(run)) == str(run / "global_step_2")  # the marker alone says "complete"
+    with caplog.at_level("WARNING"):
+        assert find_resumable_checkpoint(str(run)) == str(run / "global_step_1")
+    assert "global_step_2 is damaged" in caplog.text and "checksum mismatch" in caplog.text
+    (run / "global_step_1" / "data.pt").write_bytes(b"")  # truncated: a size mismatch
+    with caplog.at_level("WARNING"):
+        assert find_resumable_checkpoint(str(run)) is None
+    assert "data.pt: 0 bytes, expected" in caplog.text
+
+
+def test_one_directory_one_run(tmp_path):
+    """A second run on a directory in use stops at once, naming the holder; the lock dies with
+    its process (even SIGKILLed)."""
+    from verl_arpo.utils.checkpoint_integrity import RunDirLock, RunDirLockedError
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from verl_arpo.utils.checkpoint_integrity import RunDirLock\n"
+                               f"RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirLockedError, match=rf"pid {holder.pid} on .*default_local_dir"):
+            RunDirLock(str(tmp_path)).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunDirLock(str(tmp_path)):  # the killed holder released it
+        pass
+
+
+def test_a_changed_run_refuses_to_resume_unless_forced(finished_run, tool_model_dir, toy_data, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    changed = _cmd(tool_model_dir, toy_data, run, "trainer.total_training_steps=3",
+                   "algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=2")
+    r = subprocess.run(changed, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "belongs to a different run" in err and "algorithm.adv_estimator: was 'grpo', now 'rloo'" in err
+    assert "trainer.force_resume=true" in err
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # nothing was trained
+    r = subprocess.run(changed + ["trainer.force_resume=true"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resumed from {run / 'global_step_2'} (step 2)" in r.stdout
+
+
+def test_a_finished_run_says_so_instead_of_finishing_silently(finished_run, tool_model_dir, toy_data, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    r = subprocess.run(_cmd(tool_model_dir, toy_data, run, "trainer.total_training_steps=2"), cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "is already complete (step 2 >= total_training_steps=2): nothing to train" in r.stdout
