@@ -1,4 +1,4 @@
-"""The actor update against a bare PyTorch training loop, lever by lever (issue: the CPU training step).
+"""The actor update against a bare PyTorch training loop, lever by lever (the CPU training step).
 
 Same model, same tokens, same cores: a batch of `--rows` trajectories shaped like the quickstart's
 (prompt ≈ 160 tokens, response 40–280), one optimizer step over it.

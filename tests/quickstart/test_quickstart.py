@@ -2,6 +2,7 @@
 points (model prep, main_sft, main_ppo, convert_verl_to_hf, main_eval) and the summary is complete."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,10 @@ def test_quickstart_tiny_smoke(tmp_path):
     assert (Path(s["hf_dir"]) / "config.json").exists()
     assert len(s["reward_curve"]) == s["rl_steps"]
     assert s["eval_from_cache"] == []
+    # stdout is a file here: every stage says when it starts and ends, how long it took, where its log is
+    for stage in ("eval_base", "sft", "eval_sft", "rl", "merge", "eval_rl"):
+        assert f"{stage}: started (log: {out / 'logs' / stage}.log)" in r.stdout, (stage, r.stdout[-2000:])
+        assert re.search(rf"{stage}: finished in \d+ s", r.stdout), stage
     # a re-run reuses every finished stage (nothing is rewritten) and still reports what each stage cost;
     # the base evaluation, whose report is gone, comes from the cache without running the model again
     base_report = json.loads((out / "eval_base.json").read_text())
@@ -41,6 +46,7 @@ def test_quickstart_tiny_smoke(tmp_path):
     assert {f: (out / f).stat().st_mtime_ns for f in stamps} == stamps
     s2 = json.loads((out / "summary.json").read_text())
     assert s2["eval_from_cache"] == ["base"] and "(cached)" in r2.stdout
+    assert "eval_base: reused from the cache" in r2.stdout and "sft: reused (its outputs exist" in r2.stdout
     assert json.loads((out / "eval_base.json").read_text()) == base_report
     assert {k: s2["wall_s"][k] for k in ("sft", "rl")} == {k: s["wall_s"][k] for k in ("sft", "rl")}
     assert s2["wall_s"]["sft"] > 0 and s2["wall_s"]["rl"] > 0

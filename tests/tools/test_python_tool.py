@@ -148,12 +148,14 @@ def test_bad_sandbox_value():
         PythonTool(sandbox="docker")
 
 
-def test_fallback_warns_once(monkeypatch, caplog):
+def test_without_bubblewrap_auto_fails_closed_and_none_is_an_explicit_logged_opt_out(monkeypatch, caplog):
     monkeypatch.setattr(python_tool, "_probe_result", False)  # as if bwrap were missing
-    monkeypatch.setattr(python_tool, "_fallback_warned", False)
+    monkeypatch.setattr(python_tool, "_probe_reason", "bwrap: No permissions to creating new namespace")
+    for mode in ("auto", "bwrap"):
+        with pytest.raises(python_tool.SandboxUnavailableError, match="No permissions.*sandbox=none"):
+            PythonTool(timeout=10, sandbox=mode)
     caplog.set_level(logging.WARNING)
-    tool = PythonTool(timeout=10)
+    tool = PythonTool(timeout=10, sandbox="none")
     assert tool.execute("1 + 1") == "2\n" and tool.execute("2 + 2") == "4\n"
-    assert caplog.text.count("bubblewrap unavailable") == 1
-    with pytest.raises(RuntimeError, match="bubblewrap"):
-        PythonTool(sandbox="bwrap")
+    assert "WITHOUT network or filesystem isolation" in caplog.text
+    assert tool.metrics() == {"unsandboxed": 1.0}

@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_arpo.trainer import main_ppo
+from verl_arpo.utils.secrets import is_secret_key
 from verl_arpo.trainer.config import (ConfigError, mask_secrets, normalize_config, parse_logger, resolve_device,
                                       validate_config)
 
@@ -129,7 +130,10 @@ def test_seed_overrides_compose_with_cfg_job(name, paths, tmp_path):
     for override in OverridesParser.create().parse_overrides(split_cli(words)[1]):
         if override.key_or_group.startswith("hydra."):
             continue
-        assert OmegaConf.select(printed, override.key_or_group) == override.value(), override.input_line
+        want = override.value()
+        if is_secret_key(override.key_or_group.rsplit(".", 1)[-1]) and want not in (None, ""):
+            want = "***"  # --cfg job prints credentials masked
+        assert OmegaConf.select(printed, override.key_or_group) == want, override.input_line
         checked += 1
     assert checked >= 15 or name == "doc_snippets"
 
@@ -374,6 +378,8 @@ def test_secret_names_and_headers_beyond_api_key(monkeypatch):
     assert [k for k in plain if is_secret_key(k)] == []
     monkeypatch.setenv("MY_SERVICE_TOKEN", "svc-value-9876")  # a name only the rule knows
     monkeypatch.setenv("OTHER_SETTING", "visible-value")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # Ray exports it: a setting, not a secret
+    assert mask_text("rollout/tokens_generated") == "rollout/tokens_generated"
     text = ('GET /?t=svc-value-9876 {"Authorization": "Bearer sk-live-42"} authorization=abc123 '
             "Proxy-Authorization: Basic dXNlcjpwdw== bearer tok_77; other=visible-value")
     out = mask_text(text)
@@ -390,6 +396,57 @@ def test_saved_config_is_masked(good, tmp_path):
     assert "sk-SECRET" not in text and "api_key: '***'" in text
     assert OmegaConf.create(text).actor_rollout_ref.rollout.n == 4
     assert main_ppo.save_masked_config(cfg) is None  # not under Hydra: nowhere to write
+
+
+def test_cfg_job_prints_secrets_masked(tmp_path):
+    """`--cfg job` (and `all`) are what users paste into issues: the key must not be in them."""
+    key = "sk-PRINTED-SECRET-77"
+    override = f"+actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key={key}"
+    for kind in ("job", "all"):
+        proc = run_main(["--cfg", kind, "actor_rollout_ref.model.path=/m", override], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert key not in proc.stdout + proc.stderr
+        printed = OmegaConf.create(proc.stdout)
+        assert printed.actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key == "***"
+        assert printed.actor_rollout_ref.model.path == "/m"
+        assert ("hydra" in printed) == (kind == "all")
+
+
+def test_the_readme_shows_the_real_config_error_format():
+    err = str(ConfigError([("trainer.logger", "bad"), ("data.train_files", "missing")]))
+    assert err.startswith("invalid config (2 problem(s)):\n  - trainer.logger: bad\n  - data.train_files: missing")
+    readme = (ROOT / "README.md").read_text()
+    assert "`[verl_arpo] invalid config (N problem(s)):` followed by one `  - <key>:" in readme
+
+
+def test_verl_keys_users_carry_over_are_accepted():
+    """Keys of current verl that used to fail with "Key not in struct"."""
+    from verl_arpo.utils.job_config import JobConfig
+
+    cfg = compose("cpu_tiny", ("actor_rollout_ref.model.path=/m", "trainer.val_only=true",
+                               "+data.apply_chat_template_kwargs.enable_thinking=false",
+                               "data.custom_chat_template='{{ messages[0].content }}'"))
+    job = JobConfig.from_mapping(OmegaConf.to_container(cfg, resolve=True))
+    assert job.trainer.val_only is True
+    assert job.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert job.data.custom_chat_template == "{{ messages[0].content }}"
+
+
+@pytest.mark.parametrize("logger_name", ["mlflow", "swanlab"])
+def test_verl_loggers_we_do_not_ship_are_rejected_with_what_to_use(good, logger_name):
+    bad = OmegaConf.merge(good, {"trainer": {"logger": ["console", logger_name]}})
+    with pytest.raises(ConfigError, match=rf"\['{logger_name}'\] are verl loggers .* use wandb or tensorboard"):
+        validate_config(bad)
+
+
+def test_a_configured_logger_that_is_not_installed_is_a_config_error(good, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    bad = OmegaConf.merge(good, {"trainer": {"logger": ["console", "wandb"]}})
+    with pytest.raises(ConfigError, match=r"wandb is not installed: pip install 'verl_arpo\[wandb\]'"):
+        validate_config(bad)
 
 
 # ------------------------------------------------------------------------------------------- Ray start-up
@@ -418,3 +475,10 @@ def test_init_ray_local_and_join(good, monkeypatch):  # a fake ray module: start
     monkeypatch.setitem(sys.modules, "ray", fake)
     main_ppo.init_ray(OmegaConf.merge(good, {"ray_init": {"address": "auto"}}))
     assert fake.calls[0]["address"] == "auto" and "num_cpus" not in fake.calls[0]
+
+
+def test_cpu_workers_split_their_nodes_cores():
+    """1 worker on 2 cores computes with 2 threads; 2 workers get 1 each; never 0."""
+    from verl_arpo.trainer.ppo.ray_trainer import cpu_threads_per_worker
+
+    assert [cpu_threads_per_worker(c, w) for c, w in ((2, 1), (2, 2), (8, 3), (1, 4), (16, 8))] == [2, 1, 2, 1, 2]

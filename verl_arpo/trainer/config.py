@@ -30,15 +30,17 @@ from collections.abc import Callable, Mapping
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_arpo.utils.job_config import ConfigError, JobConfig, not_implemented_problems
+from verl_arpo.utils.resources import bundled_root, resolve_bundled
 from verl_arpo.utils.secrets import SECRET_ENV_VARS, MASK, is_secret_key, mask_secrets, mask_text  # noqa: F401
 from verl_arpo.utils.tracking import LOGGER_BACKENDS, parse_logger
 
 __all__ = ["ConfigError", "validate_config", "normalize_config", "mask_secrets", "mask_text",
            "resolve_device", "parse_logger", "resolve_project_path", "PROJECT_ROOT", "LOGGER_BACKENDS"]
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-"""The repository root (the folder holding configs/ and verl_arpo/)."""
+PROJECT_ROOT = bundled_root()
+"""The folder holding configs/, rl_datasets/ and search_cache/ (the checkout, or the installed package data)."""
 
+VERL_LOGGERS_NOT_SUPPORTED = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
 ROLLOUT_NAMES = ("hf", "vllm")
 ROLLOUT_MODES = ("sync_with_tool",)
 DEVICES = ("auto", "cuda", "cpu")
@@ -86,7 +88,7 @@ def _as_float(value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    # [reliability, issue 9] NaN fails every comparison, so `clip_ratio=nan` or `optim.lr=nan`
+    # [reliability: tests/reliability/README.md] NaN fails every comparison, so `clip_ratio=nan` or `optim.lr=nan`
     # passed each "must be > 0" check and reached the loss
     return None if number != number else number
 
@@ -94,7 +96,7 @@ def _as_float(value: Any) -> float | None:
 def _is_one_of(value: Any, choices: Any) -> bool:
     """`value in choices`, False when `value` is unhashable and `choices` a dict (a registry).
 
-    [reliability, issue 9] `algorithm.adv_estimator=[grpo]` (a list or map where a name belongs)
+    [reliability: tests/reliability/README.md] `algorithm.adv_estimator=[grpo]` (a list or map where a name belongs)
     raised TypeError: unhashable type from validate_config instead of a ConfigError naming the key."""
     try:
         return value in choices
@@ -103,12 +105,9 @@ def _is_one_of(value: Any, choices: Any) -> bool:
 
 
 def resolve_project_path(path: str | os.PathLike) -> Path:
-    """An absolute path: as given, else relative to the cwd if it exists there, else to the repo root."""
-    p = Path(os.path.expanduser(str(path)))
-    if p.is_absolute() or p.exists():
-        return p.resolve()
-    candidate = PROJECT_ROOT / p
-    return candidate if candidate.exists() else p.resolve()
+    """An absolute path: as given, else relative to the cwd if it exists there, else among the
+    package's bundled files (verl_arpo.utils.resources)."""
+    return resolve_bundled(path)
 
 
 def _files(value: Any) -> list[str]:
@@ -383,7 +382,7 @@ def _check_files(c: DictConfig, add: Callable[[str, str], None]) -> None:
             add(key, "is required: give a parquet file or a list of files")
             continue
         for f in _files(value):
-            if not Path(os.path.expanduser(f)).is_file():
+            if not resolve_project_path(f).is_file():  # the cwd, then the bundled task
                 add(key, f"no such file {f!r}")
     path = _select(c, "custom_reward_function.path")
     if path not in (None, "", _MISSING):
@@ -409,8 +408,18 @@ def _check_files(c: DictConfig, add: Callable[[str, str], None]) -> None:
 def _check_trainer(c: DictConfig, add: Callable[[str, str], None]) -> None:
     backends = parse_logger(_select(c, "trainer.logger", ["console"]))
     unknown = [b for b in backends if b not in LOGGER_BACKENDS]
-    if unknown:
+    verl_only = [b for b in unknown if b in VERL_LOGGERS_NOT_SUPPORTED]
+    if verl_only:
+        add("trainer.logger", f"{verl_only} are verl loggers this trainer does not ship; use wandb or tensorboard "
+                              f"(the same scalars), or jsonl for a local file; accepted: {list(LOGGER_BACKENDS)}")
+    elif unknown:
         add("trainer.logger", f"unknown backend(s) {unknown}; accepted: {list(LOGGER_BACKENDS)}")
+    import importlib.util
+
+    for backend, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if backend in backends and importlib.util.find_spec(module) is None:
+            add("trainer.logger", f"{backend} is not installed: pip install 'verl_arpo[{backend}]', or remove "
+                                  f"{backend} from trainer.logger")
     device = _select(c, "trainer.device", "auto")
     if device not in DEVICES:
         add("trainer.device", f"unknown {device!r}; accepted: {list(DEVICES)}")

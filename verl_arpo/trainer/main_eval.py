@@ -53,12 +53,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from verl_arpo.utils.chat_template import configure_chat_template, render_chat
+
 logger = logging.getLogger("verl_arpo.eval")
 
 QUESTION_KEYS = ("question", "Question", "problem", "query", "input")
 ANSWER_KEYS = ("answer", "Final answer", "final_answer", "answers", "golden_answers", "ground_truth",
                "gold", "target")
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- statistics
@@ -231,12 +232,12 @@ def rule_result(result: Any, threshold: float) -> tuple[float, bool, str | None]
 
 
 # --------------------------------------------------------------------------- inference
-def _prompt_batch(tokenizer, rows: list[dict], uid_offset: int):
+def _prompt_batch(tokenizer, rows: list[dict], uid_offset: int, template_kwargs: dict | None = None):
     import torch
 
     from verl_arpo.protocol import DataProto, as_object_array
 
-    encoded = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
+    encoded = [render_chat(tokenizer, r["messages"], True, template_kwargs) for r in rows]
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in encoded]
     width = max(map(len, ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -246,12 +247,13 @@ def _prompt_batch(tokenizer, rows: list[dict], uid_offset: int):
     return DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask}, non_tensors={"uid": uids})
 
 
-def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int) -> list[list[dict]]:
+def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int,
+             template_kwargs: dict | None = None) -> list[list[dict]]:
     """k trajectories per row: [{text, num_tool_calls, tool_tags, finish_reason}] per row."""
     out: list[list[dict]] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        prompts = _prompt_batch(tokenizer, chunk, start)
+        prompts = _prompt_batch(tokenizer, chunk, start, template_kwargs)
         prompts.meta_info = {"validate": True} if k == 1 else {"validate": False, "n": k, "do_sample": True}
         prompts.meta_info["global_steps"] = start // batch_size  # a fresh, reproducible seed per chunk
         res = loop.generate_sequences(prompts)
@@ -328,8 +330,9 @@ def summarize(rows: list[dict], generations: list[list[dict]], k: int) -> dict[s
 
 # --------------------------------------------------------------------------- entry point
 def _resolve(path: str) -> str:
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() or p.exists() else PROJECT_ROOT / p)
+    from verl_arpo.utils.resources import resolve_bundled
+
+    return str(resolve_bundled(path))
 
 
 def build_loop(args, tokenizer, engine=None):
@@ -356,6 +359,7 @@ def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
+    configure_chat_template(tokenizer, getattr(args, "custom_chat_template", None))
     rows = load_eval_rows(_resolve(args.data), args.system_prompt, args.data_source)
     if args.limit:
         rows = rows[:args.limit]
@@ -369,7 +373,8 @@ def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
     t0 = time.time()
     loop, executor = build_loop(args, tokenizer, engine)
     try:
-        generations = generate(loop, tokenizer, rows, args.k, args.batch_size)
+        generations = generate(loop, tokenizer, rows, args.k, args.batch_size,
+                               getattr(args, "chat_template_kwargs", None))
     finally:
         if executor is not None:
             executor.close()
@@ -412,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions")
     p.add_argument("--data_source", default=None, help="override every row's data source (scorer choice)")
     p.add_argument("--system_prompt", default=None, help="replace the system prompt ('' = none)")
+    p.add_argument("--chat_template_kwargs", type=json.loads, default={},
+                   help='JSON of extra apply_chat_template arguments (data.apply_chat_template_kwargs), '
+                        'e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--custom_chat_template", default=None,
+                   help="a Jinja chat template, or a file with one (data.custom_chat_template)")
     p.add_argument("--reward_fn", default=None, help="path.py:function with verl's compute_score signature")
     p.add_argument("--correct_threshold", type=float, default=1.0, help="F1 (or score) counted as correct")
     p.add_argument("--judge_url", default=None, help="OpenAI-compatible base URL of an LLM judge")

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
+from verl_arpo.utils.resources import config_dir
 from verl_arpo.utils.job_config import JobConfig, RayInitConfig, from_mapping
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+CONFIG_DIR = config_dir()
 """Absolute path of the repository's configs/ folder (Hydra's default --config-path)."""
 
 DEFAULT_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -95,11 +96,38 @@ def init_ray(cfg: JobConfig | DictConfig) -> bool:
     return True
 
 
+def config_summary(cfg: DictConfig, full: Path | None) -> str:
+    """One screen: what this run trains, on what, how long, and where the full config is."""
+    def get(key, default=None):
+        value = OmegaConf.select(cfg, key, default=default, throw_on_missing=False)
+        return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+    rollout = "actor_rollout_ref.rollout"
+    branching = (f"ARPO/AEPO branching ({get(rollout + '.branch_rule', 'arpo')}, initial_rollouts="
+                 f"{get(rollout + '.initial_rollouts')})" if get(rollout + ".initial_rollouts") else "no branching")
+    lines = [
+        f"model     {get('actor_rollout_ref.model.path')}",
+        f"algorithm {get('algorithm.adv_estimator')}, {branching}, lr {get('actor_rollout_ref.actor.optim.lr')}",
+        f"rollout   {get(rollout + '.name')} engine, n={get(rollout + '.n')}, temperature {get(rollout + '.temperature')}, "
+        f"prompt/response tokens {get('data.max_prompt_length')}/{get('data.max_response_length')}",
+        f"data      train {get('data.train_files')} ({get('data.train_batch_size')} prompts/step), "
+        f"val {get('data.val_files')}",
+        f"run       {get('trainer.nnodes')} node(s) x {get('trainer.n_gpus_per_node')} workers on "
+        f"{get('trainer.device')}, steps {get('trainer.total_training_steps') or 'all epochs'} "
+        f"({get('trainer.total_epochs')} epoch(s)), save_freq {get('trainer.save_freq')}, "
+        f"test_freq {get('trainer.test_freq')}, logger {get('trainer.logger')}",
+        f"output    {get('trainer.default_local_dir')}",
+        f"config    {full if full else 'python -m verl_arpo.trainer.main_ppo --cfg job <same overrides> prints it'}",
+    ]
+    return "\n".join("[verl_arpo] " + line for line in lines)
+
+
 def run(cfg: DictConfig) -> Any:
-    """Print, validate, start Ray, train. Raises ConfigError before anything is started."""
-    print(format_config(cfg), flush=True)
+    """Summarise, validate, start Ray, train. Raises ConfigError before anything is started. The
+    full masked config goes to a file (Hydra's run dir), not to the console."""
+    full = save_masked_config(cfg)
+    print(config_summary(cfg, full), flush=True)
     validate_config(cfg)
-    save_masked_config(cfg)
     run_ppo = load_run_ppo()
     started = init_ray(cfg)
     try:
@@ -111,8 +139,53 @@ def run(cfg: DictConfig) -> Any:
             ray.shutdown()
 
 
+_CFG_TYPES = ("job", "hydra", "all")
+
+
+def _split_cfg_flag(argv: list[str]) -> tuple[str | None, str, str, list[str]]:
+    """(--cfg type or None, config name, config dir, the overrides) of a Hydra command line."""
+    cfg_type, name, config_dir, overrides = None, "ppo_trainer", CONFIG_DIR, []
+    it = iter(argv)
+    for arg in it:
+        flag, eq, value = arg.partition("=")
+        if flag in ("--cfg", "-c"):
+            cfg_type = value if eq else next(it, None)
+        elif flag in ("--config-name", "-cn"):
+            name = value if eq else next(it, name)
+        elif flag in ("--config-path", "-cp"):
+            config_dir = os.path.abspath(value if eq else next(it, config_dir))
+        elif flag in ("--package", "-p"):
+            return None, name, config_dir, []  # Hydra's own printing handles packages
+        elif flag != "--resolve":
+            overrides.append(arg)
+    return (cfg_type if cfg_type in _CFG_TYPES else None), name, config_dir, overrides
+
+
+def print_config(argv: list[str]) -> bool:
+    """`--cfg job|hydra|all` with the secrets masked (Hydra's own printing shows them in clear).
+    Returns False when `argv` asks for something else (Hydra then handles it)."""
+    cfg_type, name, config_dir, overrides = _split_cfg_flag(argv)
+    if cfg_type is None:
+        return False
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=cfg_type != "job")
+    # Hydra's own section holds the override list: masked too (`...api_key=***`)
+    masked = mask_secrets(cfg.hydra if cfg_type == "hydra" else cfg)
+    print(OmegaConf.to_yaml(OmegaConf.create(masked)), flush=True)
+    return True
+
+
+def main() -> None:
+    """The command line (`python -m verl_arpo.trainer.main_ppo`, `verl-arpo-train`): Hydra, with
+    `--cfg` printing the masked config."""
+    if not print_config(sys.argv[1:]):
+        hydra_main()
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     """Hydra entry; a config problem exits with code 2 and one line per problem."""
     from verl_arpo.trainer.ppo.preemption import Preempted
 

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.sft_data import read_records, to_messages, tokenize_conversation
+from verl_arpo.utils.chat_template import configure_chat_template
 from verl_arpo.utils.job_config import OptimConfig
 from verl_arpo.workers.training_core import (
     build_adamw,
@@ -69,6 +70,8 @@ DEFAULTS: dict[str, Any] = {
         "max_length": 1024,              # tokens per conversation after the chat template
         "truncation": "error",           # longer conversations: error | right (cut) | skip (drop)
         "shuffle": True,                 # reshuffle the conversations every epoch
+        "apply_chat_template_kwargs": {},  # extra arguments of apply_chat_template (Qwen3: {enable_thinking: false})
+        "custom_chat_template": None,    # a Jinja template (or a file with one) replacing the tokenizer's
     },
     "model": {
         "partial_pretrain": None,        # HF model folder to start from (required)
@@ -107,6 +110,7 @@ def load_config(overrides: list[str]) -> DictConfig:
     """DEFAULTS merged with `key=value` overrides; unknown keys raise."""
     base = OmegaConf.create(DEFAULTS)
     OmegaConf.set_struct(base, True)
+    OmegaConf.set_struct(base.data.apply_chat_template_kwargs, False)  # free-form: the template's own arguments
     try:
         cfg = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
     except Exception as exc:  # omegaconf's ConfigKeyError / ValidationError
@@ -123,24 +127,23 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 
 # --------------------------------------------------------------------------- data
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
 def _resolve(path: Any) -> str:
-    """A relative path is taken from the working directory, else from the project root."""
-    p = Path(os.path.expanduser(str(path)))
-    return str(p if p.is_absolute() or p.exists() else PROJECT_ROOT / p)
+    """A relative path is taken from the working directory, else from the bundled files."""
+    from verl_arpo.utils.resources import resolve_bundled
+
+    return str(resolve_bundled(path))
 
 
 class SFTDataset(torch.utils.data.Dataset):
     """Tokenised conversations: items {"input_ids", "loss_mask"} (lists of ints)."""
 
-    def __init__(self, files: Any, tokenizer, max_length: int, truncation: str = "error"):
+    def __init__(self, files: Any, tokenizer, max_length: int, truncation: str = "error",
+                 template_kwargs: dict | None = None):
         files = [_resolve(f) for f in ([files] if isinstance(files, (str, Path)) else list(files))]
         self.items: list[dict[str, list[int]]] = []
         self.skipped = 0
         for rec in read_records(files):
-            item = tokenize_conversation(tokenizer, to_messages(rec), max_length, truncation)
+            item = tokenize_conversation(tokenizer, to_messages(rec), max_length, truncation, template_kwargs)
             if item is None or not any(item["loss_mask"][1:]):
                 self.skipped += 1
                 continue
@@ -286,8 +289,10 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
         value = cfg.data[key]
         return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
-    train = SFTDataset(files("train_files"), tok, cfg.data.max_length, cfg.data.truncation)
-    val = SFTDataset(files("val_files"), tok, cfg.data.max_length, cfg.data.truncation) if cfg.data.val_files else None
+    configure_chat_template(tok, cfg.data.custom_chat_template)  # saved with the model: evaluation renders alike
+    kwargs = dict(cfg.data.apply_chat_template_kwargs or {})
+    train = SFTDataset(files("train_files"), tok, cfg.data.max_length, cfg.data.truncation, kwargs)
+    val = SFTDataset(files("val_files"), tok, cfg.data.max_length, cfg.data.truncation, kwargs) if cfg.data.val_files else None
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(cfg.model.dtype)]
     model = load_causal_lm(model_path, dtype=dtype, attn=cfg.model.attn_implementation,

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterable
 
+from verl_arpo.utils.chat_template import render_chat
+
 SYSTEM_PROMPT = (
     "You are a helpful assistant that solves problems with two tools. To run Python, write code "
     "between <python> and </python> and print the values you need. To search the knowledge base, "
@@ -110,8 +112,8 @@ def split_assistant(content: str) -> list[tuple[str, int]]:
     return pieces
 
 
-def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool, template_kwargs=None) -> str:
+    return render_chat(tokenizer, messages, generation_prompt, template_kwargs)
 
 
 def _encode(tokenizer, text: str, tool_output: bool = False) -> list[int]:
@@ -128,7 +130,8 @@ def _encode(tokenizer, text: str, tool_output: bool = False) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def conversation_pieces(tokenizer, messages: list[dict[str, str]]) -> list[tuple[str, int, bool]]:
+def conversation_pieces(tokenizer, messages: list[dict[str, str]],
+                        template_kwargs: dict | None = None) -> list[tuple[str, int, bool]]:
     """(text, trainable, is_tool_output) pieces covering the rendered conversation up to its
     last assistant turn (trailing non-assistant turns carry no loss and are dropped)."""
     eos = tokenizer.eos_token or ""
@@ -137,8 +140,8 @@ def conversation_pieces(tokenizer, messages: list[dict[str, str]]) -> list[tuple
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prefix = _render(tokenizer, messages[:i], True) if i else _render(tokenizer, [], True)
-        full = _render(tokenizer, messages[:i + 1], False)
+        prefix = _render(tokenizer, messages[:i] if i else [], True, template_kwargs)
+        full = _render(tokenizer, messages[:i + 1], False, template_kwargs)
         if not prefix.startswith(done) or not full.startswith(prefix):
             raise ValueError(f"turn {i}: the chat template does not render the conversation as a growing "
                              "prefix; cannot place the loss mask")
@@ -159,14 +162,14 @@ def conversation_pieces(tokenizer, messages: list[dict[str, str]]) -> list[tuple
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length: int | None = None,
-                          truncation: str = "error") -> dict[str, list[int]] | None:
+                          truncation: str = "error", template_kwargs: dict | None = None) -> dict[str, list[int]] | None:
     """{"input_ids", "loss_mask"} (loss_mask[t] = 1: token t is a training target).
 
     truncation when longer than max_length: "error" raises, "right" keeps the first max_length
     tokens, "skip" returns None."""
     ids: list[int] = []
     mask: list[int] = []
-    for text, trainable, tool in conversation_pieces(tokenizer, messages):
+    for text, trainable, tool in conversation_pieces(tokenizer, messages, template_kwargs):
         piece = _encode(tokenizer, text, tool_output=tool)
         ids += piece
         mask += [trainable] * len(piece)

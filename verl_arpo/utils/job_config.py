@@ -82,6 +82,8 @@ class DataConfig:
     truncation: str = "error"
     dataloader_num_workers: int = 0
     system_prompt_override: str | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+    custom_chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,7 @@ class TrainerConfig:
     max_consecutive_skipped_steps: int = 3
     worker_call_timeout: float | None = 7200.0
     preemption_grace_s: float | None = 30.0
+    val_only: bool = False
     force_resume: bool = False
     config_normalized: bool = False
 

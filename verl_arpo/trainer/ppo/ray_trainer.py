@@ -70,17 +70,21 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def cpu_threads_per_worker(cluster_cpus: float, n_workers: int) -> int:
+def cpu_threads_per_worker(node_cpus: float, workers_per_node: int) -> int:
     """CPUs each worker reserves (and uses as torch threads) when training on CPU: an equal share of
-    the cluster, at least 1. One worker on a 2-core machine then computes with 2 threads instead of
-    leaving a core idle; 2 workers get 1 each (docs/performance.md: workers × threads)."""
-    return max(1, int(cluster_cpus) // max(1, n_workers))
+    its node's cores, at least 1. One worker on a 2-core machine then computes with 2 threads
+    instead of leaving a core idle; 2 workers get 1 each (README, "Performance")."""
+    return max(1, int(node_cpus) // max(1, workers_per_node))
 
 
-def _cluster_cpus() -> float:
+def _node_cpus(nnodes: int) -> float:
+    """Cores a node can give its workers: Ray's logical CPUs per node, but never more than this
+    machine's cores (a test cluster may declare 8 logical CPUs on 2 cores)."""
     import ray
 
-    return float(ray.cluster_resources().get("CPU", 1))
+    logical = float(ray.cluster_resources().get("CPU", 1)) / max(1, nnodes)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(logical, float(cores))
 
 
 def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
@@ -132,6 +136,7 @@ class RayPPOTrainer:
         self.n_workers = derived.world_size
         self.global_steps = 0
         self.consecutive_skipped = 0
+        self.wandb_run_id: str | None = None  # continued by a resumed run (stored in data.pt)
         self.last_checkpoint: str | None = None
 
     # ------------------------------------------------------------------ workers
@@ -143,7 +148,7 @@ class RayPPOTrainer:
         use_gpu = cfg.trainer.device == "cuda"  # resolved by normalize_config from the cluster's resources
         nodes = [int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes)
         # GPU workers keep 1 CPU each (their compute is on the device); CPU workers split the cores
-        cpus = 1 if use_gpu else cpu_threads_per_worker(_cluster_cpus(), sum(nodes))
+        cpus = 1 if use_gpu else cpu_threads_per_worker(_node_cpus(int(cfg.trainer.nnodes)), nodes[0])
         self.resource_pool = RayResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1,
                                              cpus_per_bundle=cpus)
         timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
@@ -340,7 +345,8 @@ class RayPPOTrainer:
             if self.use_critic:
                 self.critic_wg.save_checkpoint(os.path.join(staging, "critic"), step)
             # the data order is a pure function of (data.seed, step): the step is all we need
-            save_dataloader_state(staging, {"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None})
+            save_dataloader_state(staging, {"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None,
+                                            "wandb_run_id": self.wandb_run_id})
             _write_fingerprint(staging, self.config)
             path = publish_checkpoint(root, step, staging)
         except BaseException:
@@ -387,6 +393,7 @@ class RayPPOTrainer:
             self.critic_wg.load_checkpoint(os.path.join(path, "critic"))
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = state["kl_coef"]
+        self.wandb_run_id = state.get("wandb_run_id")
         self.last_checkpoint = str(path)
         step = int(state["global_step"])
         print(f"[verl_arpo] resumed from {path} (step {step})", flush=True)
@@ -429,12 +436,20 @@ class RayPPOTrainer:
 
         cfg = self.config.trainer
         with RunDirLock(self._ckpt_root()), PreemptionGuard(cfg.preemption_grace_s) as preempt:
+            start = self.load_checkpoint()  # first: a resumed run continues its wandb run
             tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
                                default_backend=list(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
-                               log_dir=os.path.join(self._ckpt_root(), "logs"))
+                               log_dir=os.path.join(self._ckpt_root(), "logs"), wandb_run_id=self.wandb_run_id)
+            self.wandb_run_id = tracker.wandb_run_id
             tracker.set_total(self.total_training_steps)
-            start = self.load_checkpoint()
             last_metrics: dict[str, float] = {}
+            if cfg.val_only:  # verl's trainer.val_only: validate the (resumed) model and stop
+                if self.val_reward_fn is None or self.val_dataset is None:
+                    raise ValueError("trainer.val_only=true needs data.val_files")
+                last_metrics = self._guard(self.validate, start)
+                tracker.log(last_metrics, step=start)
+                tracker.finish()
+                return last_metrics
             if start == 0 and cfg.val_before_train and self.val_reward_fn is not None:
                 last_metrics = self._guard(self.validate, 0)
                 tracker.log(last_metrics, step=0)
@@ -445,7 +460,8 @@ class RayPPOTrainer:
                 last = step == self.total_training_steps
                 if test_freq > 0 and (step % test_freq == 0 or last):
                     metrics.update(self._guard(self.validate, step))
-                saved = save_freq > 0 and (step % save_freq == 0 or last)
+                # save_freq N > 0: every N steps and at the end; -1: at the end only; 0: never
+                saved = (save_freq > 0 and step % save_freq == 0) or (last and save_freq != 0)
                 if saved or (preempt.requested and not last):  # SIGTERM: keep this step's work
                     self._guard(self.save_checkpoint, step)
                 metrics["training/global_step"] = step

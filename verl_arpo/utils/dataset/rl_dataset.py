@@ -41,6 +41,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from verl_arpo.utils.chat_template import configure_chat_template, render_chat
+from verl_arpo.utils.resources import resolve_bundled
+
 from .schema import apply_system_prompt, normalize_row, repair_backspace
 
 __all__ = ["RLHFDataset", "collate_fn"]
@@ -79,7 +82,7 @@ def collate_fn(items: list[dict[str, Any]]) -> dict[str, Any]:
 def _records(table) -> tuple[list[dict[str, Any]], dict[int, tuple]]:
     """(row dicts, {row: (field, reason)} for rows holding a string cell that is not UTF-8).
 
-    [reliability, issue 9] parquet files written by other tools can hold bytes that are not UTF-8
+    [reliability: tests/reliability/README.md] parquet files written by other tools can hold bytes that are not UTF-8
     in a *string* column; `to_pylist` then raised UnicodeDecodeError and the whole file was
     rejected without naming the row. Here only the bad cells' rows are reported (and skipped)."""
     try:
@@ -113,7 +116,7 @@ class RLHFDataset(Dataset):
             raise NotImplementedError("multimodal processors are not supported by RLHFDataset")
         if isinstance(data_files, (str, os.PathLike)):
             data_files = [data_files]
-        self.data_files = [str(f) for f in data_files]
+        self.data_files = [str(resolve_bundled(f)) for f in data_files]  # the cwd, then the bundled task
         if not self.data_files:
             raise ValueError("RLHFDataset: data_files is empty")
         self.tokenizer = tokenizer
@@ -123,6 +126,8 @@ class RLHFDataset(Dataset):
         self.filter_overlong_prompts = bool(_cfg_get(config, "filter_overlong_prompts", False))
         self.return_raw_chat = bool(_cfg_get(config, "return_raw_chat", True))
         self.system_prompt_override = _cfg_get(config, "system_prompt_override", None)
+        self.chat_template_kwargs = dict(_cfg_get(config, "apply_chat_template_kwargs", None) or {})
+        configure_chat_template(tokenizer, _cfg_get(config, "custom_chat_template", None))
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         if self.max_prompt_length <= 0:
@@ -181,7 +186,7 @@ class RLHFDataset(Dataset):
                         path, repairs_here)
 
     def _encode(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = render_chat(self.tokenizer, messages, True, self.chat_template_kwargs)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _filter_overlong(self) -> None:

@@ -69,7 +69,7 @@ def load_custom_reward_function(path: Any, name: Any = "compute_score",
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        # [reliability, issue 9] SystemExit too: a file calling sys.exit() at import ended
+        # [reliability: tests/reliability/README.md] SystemExit too: a file calling sys.exit() at import ended
         # validate_config (and the run) with that exit code and no message naming the file
         except (Exception, SystemExit) as exc:
             raise ImportError(

@@ -45,6 +45,7 @@ from verl_arpo.utils.torch_functional import (
     entropy_from_logits_with_chunking,
     logprobs_from_logits,
 )
+from verl_arpo.utils.progress import Progress
 from verl_arpo.workers.training_core import (TokenWeightedMeans, clip_grad_and_step, global_loss_counts, maybe_reshard,
                                              module_device, packing_supported, response_forward, to_device, unpack,
                                              warn_if_dense_packing, warn_once)
@@ -248,19 +249,23 @@ class DataParallelPPOActor:
         policy_loss_fn = self._policy_loss_fn()
         metrics: dict[str, list | float] = defaultdict(list)
         optimizer_steps = skipped = non_finite_losses = 0
+        progress = Progress("update")
         self.actor_module.train()
-        for _ in range(int(c.ppo_epochs)):
+        for epoch in range(int(c.ppo_epochs)):
             epoch_batch = batch
             if c.shuffle:
                 epoch_batch = batch[torch.randperm(batch.batch_size[0], generator=self._shuffle_gen)]
-            for mini in epoch_batch.split(mini_size):
+            minis = epoch_batch.split(mini_size)
+            for mini_idx, mini in enumerate(minis):
                 agg = global_loss_counts(mini["response_mask"], self.dp_group)
                 micro_batches, _ = split_micro_batches(
                     mini, use_dynamic, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
                     dp_group=self.dp_group)
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
-                for micro in micro_batches:
+                for micro_idx, micro in enumerate(micro_batches):
+                    progress(f"epoch {epoch + 1}/{c.ppo_epochs}, mini-batch {mini_idx + 1}/{len(minis)}, "
+                             f"micro-batch {micro_idx + 1}/{len(micro_batches)}")
                     micro = to_device(micro, self.device)
                     loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
                     non_finite_losses += not math.isfinite(loss.item())

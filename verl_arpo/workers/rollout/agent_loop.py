@@ -38,6 +38,7 @@ import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.utils.job_config import RolloutSection, ValKwargs, from_mapping
+from verl_arpo.utils.progress import Progress
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.rollout import branching
 from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
@@ -188,6 +189,7 @@ class AgentLoop:
         # 2–5. rounds until every trajectory is done (or max_rounds)
         consecutive = [0] * len(groups)  # AEPO c_i
         round_idx = 0
+        progress = Progress("validation rollout" if validate else "rollout")
         while any(not t.done for g in groups for t in g):
             if cfg.max_rounds is not None and round_idx >= cfg.max_rounds:
                 break
@@ -197,6 +199,11 @@ class AgentLoop:
             gained = [g or self._refill(groups[i], prompt_ids[i], n) for i, g in enumerate(gained)]
             consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
             round_idx += 1
+            trajs = [t for g in groups for t in g]
+            progress(f"round {round_idx}: {sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
+                     f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
+                     f"{int(self._stats['rollout/tokens_generated'])} tokens generated",
+                     force=all(t.done for t in trajs))
 
         # 6. exactly n per prompt: cut a round-capped run, duplicate the last one if short
         for g in groups:
@@ -288,7 +295,7 @@ class AgentLoop:
             text = r.text if r is not None else EMPTY_CALL_TEXT.format(tag=tag)
             t.num_tool_calls += 1
             room = self.cfg.response_length - len(t.response_ids)
-            # [reliability, issue 9] encode only what the budget can hold (a 10 MB tool output took
+            # [reliability: tests/reliability/README.md] encode only what the budget can hold (a 10 MB tool output took
             # tens of seconds to tokenise); `text` becomes the (sanitised) part the trajectory holds
             ids, text = fit_tool_result(self.tokenizer, text, room)
             t.tool_calls.append({"tag": tag, "content": content, "result": text,

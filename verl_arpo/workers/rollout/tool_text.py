@@ -44,7 +44,7 @@ def _neutralise_special_text(tokenizer, text: str) -> str:
 
 def _valid_text(text) -> str:
     """`text` as a str the tokenizer accepts: lone surrogates (bytes a tool decoded with
-    `surrogateescape`) become U+FFFD. [reliability, issue 9] the Rust tokenizer rejected them with a
+    `surrogateescape`) become U+FFFD. [reliability: tests/reliability/README.md] the Rust tokenizer rejected them with a
     TypeError that escaped into the rollout, and json dumps of such text fail too."""
     text = text if isinstance(text, str) else str(text)
     return _SURROGATE.sub("\ufffd", text)
@@ -68,7 +68,7 @@ def encode_tool_result(tokenizer, text: str) -> list[int]:
 def fit_tool_result(tokenizer, text: str, max_tokens: int) -> tuple[list[int], str]:
     """(ids, shown): `encode_tool_result` of the part of `text` the budget can hold.
 
-    [reliability, issue 9] Tokenising a 10 MB tool output took 20-40 s on a CPU and ~0.4 GB of
+    [reliability: tests/reliability/README.md] Tokenising a 10 MB tool output took 20-40 s on a CPU and ~0.4 GB of
     Python ints, for a result cut to `max_tokens` ids right after. Here only a prefix is encoded:
     8 characters per budget token to start with, 4x more until the ids overflow the budget by a
     margin (so the cut falls inside the text, never on the closing tag) or the whole text is used.

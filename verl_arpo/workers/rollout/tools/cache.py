@@ -72,7 +72,7 @@ def db_path_for(cache_file: str | Path) -> tuple[Path, Path | None]:
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
-    # [reliability, issue 9] SQLite may already have rolled back (SQLITE_FULL does); a second
+    # [reliability: tests/reliability/README.md] SQLite may already have rolled back (SQLITE_FULL does); a second
     # ROLLBACK raised "no transaction is active" and hid the real error
     if conn.in_transaction:
         conn.execute("ROLLBACK")
@@ -120,7 +120,7 @@ class SearchCache:
             self._all_conns.clear()
 
     def _set_aside(self, exc: Exception) -> None:
-        """[reliability, issue 9] A file that is not a valid database (a copy taken mid-write, a
+        """[reliability: tests/reliability/README.md] A file that is not a valid database (a copy taken mid-write, a
         truncated download) made the constructor raise, so the search tool was not built and the
         whole run went on without search. It is a cache: move it aside and start an empty one."""
         self._close_conns()
@@ -238,7 +238,7 @@ class SearchCache:
             raise
 
     def _write_failed(self, n: int, exc: Exception) -> None:
-        """[reliability, issue 9] A cache write that fails (disk full, read-only file) used to raise
+        """[reliability: tests/reliability/README.md] A cache write that fails (disk full, read-only file) used to raise
         out of `put`, so every *successful* search then answered with an SQLite error. It is counted
         (`cache_write_errors`) and logged (the 1st, then every 100th); the entries stay uncached."""
         self._count_error("write_errors", n, exc, "write")

@@ -25,16 +25,14 @@ from verl_arpo.workers.rollout.tools.search_tool import format_results
 
 logger = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_CORPUS = "search_cache/local_corpus.jsonl"
 
 
 def resolve_path(path: str | Path) -> Path:
-    """A relative path is tried from the working directory, then from the project root."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return p
-    return PROJECT_ROOT / p
+    """A relative path is tried from the working directory, then among the bundled files."""
+    from verl_arpo.utils.resources import resolve_bundled
+
+    return resolve_bundled(path)
 
 
 def load_corpus(path: str | Path) -> list[dict[str, str]]:
