@@ -220,3 +220,19 @@ def rss_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def write_tool_task(folder, rows: int, valid_rows: int = 0):
+    """`rows` copies of the tool model's arithmetic prompt as train.parquet (and the first
+    `valid_rows` as valid.parquet) in `folder`; returns the folder."""
+    import pandas as pd
+
+    from verl_arpo.utils.tiny_model import TOOL_PROMPT_USER
+
+    data = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": TOOL_PROMPT_USER}],
+             "ability": "math", "reward_model": {"ground_truth": "408", "style": "rule"},
+             "extra_info": {"index": i}} for i in range(rows)]
+    pd.DataFrame(data).to_parquet(folder / "train.parquet")
+    if valid_rows:
+        pd.DataFrame(data[:valid_rows]).to_parquet(folder / "valid.parquet")
+    return folder

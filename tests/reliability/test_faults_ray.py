@@ -17,23 +17,15 @@ import threading
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
+from rel_helpers import write_tool_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
-    from verl_arpo.utils.tiny_model import TOOL_PROMPT_USER
-
-    d = tmp_path_factory.mktemp("toy_data")
-    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": TOOL_PROMPT_USER}],
-             "ability": "math", "reward_model": {"ground_truth": "408", "style": "rule"},
-             "extra_info": {"index": i}} for i in range(6)]
-    pd.DataFrame(rows).to_parquet(d / "train.parquet")
-    pd.DataFrame(rows[:2]).to_parquet(d / "valid.parquet")
-    return d
+    return write_tool_task(tmp_path_factory.mktemp("toy_data"), rows=6, valid_rows=2)
 
 
 def _config(model_dir, data_dir, out_dir):

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
+from rel_helpers import write_tool_task
 
 ROOT = Path(__file__).resolve().parents[2]
 # metrics that depend on wall time or on what a cache already held, not on the training itself
@@ -27,14 +27,7 @@ _VOLATILE = ("timing", "time_", "perf/", "throughput", "memory", "cache_", "/cal
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
-    from verl_arpo.utils.tiny_model import TOOL_PROMPT_USER
-
-    d = tmp_path_factory.mktemp("toy_data")
-    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": TOOL_PROMPT_USER}],
-             "ability": "math", "reward_model": {"ground_truth": "408", "style": "rule"},
-             "extra_info": {"index": i}} for i in range(8)]
-    pd.DataFrame(rows).to_parquet(d / "train.parquet")
-    return d
+    return write_tool_task(tmp_path_factory.mktemp("toy_data"), rows=8)
 
 
 def _cmd(model_dir, data_dir, out_dir, *extra):

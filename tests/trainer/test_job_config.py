@@ -14,8 +14,10 @@ from verl_arpo.utils import job_config as jc
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-FREE_FORM = {"override_config", "tool_instances", "runtime_env", "reward_kwargs", "mixed_precision"}
-"""dict-valued keys whose contents belong to another component (HF config, tools, Ray, the user's scorer)."""
+FREE_FORM = {"override_config", "tool_instances", "runtime_env", "reward_kwargs", "mixed_precision",
+             "apply_chat_template_kwargs"}
+"""dict-valued keys whose contents belong to another component (HF config, tools, Ray, the user's scorer,
+the chat template)."""
 INTERPOLATED = {"actor_rollout_ref.model.path", "critic.model.path", "critic.model.tokenizer_path"}
 """required (???) or interpolated to a required key: no default to compare."""
 
