@@ -35,7 +35,7 @@ def _cmd(model_dir, data_dir, out_dir, *extra):
             f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data_dir}/train.parquet",
             "data.val_files=null", "trainer.val_before_train=false", "trainer.test_freq=-1",
             f"trainer.default_local_dir={out_dir}", "data.max_prompt_length=64", "data.max_response_length=64",
-            "data.train_batch_size=2", "trainer.logger=[jsonl]", "trainer.total_training_steps=4",
+            "data.train_batch_size=2", "trainer.logger=[console,jsonl]", "trainer.total_training_steps=4",
             "trainer.save_freq=100", "actor_rollout_ref.rollout.tools.call_limit=2",
             f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out_dir}/search.sqlite",
             f"hydra.run.dir={out_dir}/hydra", *extra]
@@ -78,7 +78,7 @@ def test_sigterm_checkpoints_the_step_in_flight_and_the_resumed_run_matches(tool
         proc.send_signal(signal.SIGTERM)
 
     # step 1 is logged: step 2 is in flight when the signal arrives
-    wandb = "trainer.logger=[jsonl,wandb]"
+    wandb = "trainer.logger=[console,jsonl,wandb]"
     rc, out = _run_until(_cmd(tool_model_dir, toy_data, cut, "trainer.preemption_grace_s=300", wandb),
                          tmp_path / "cut.log", "step 1/4", sigterm)
     assert rc == 143, out[-3000:]
@@ -108,8 +108,13 @@ def test_sigterm_with_a_short_grace_exits_in_time_keeping_the_last_checkpoint(to
         sent["t"] = time.monotonic()
         proc.send_signal(signal.SIGTERM)
 
-    # checkpoints at steps 1 and 2; the signal lands in step 3 with 1 s of grace
-    rc, out = _run_until(_cmd(tool_model_dir, toy_data, run, "trainer.save_freq=1", "trainer.preemption_grace_s=1"),
+    # checkpoints at steps 1 and 2; the signal lands in step 3 with 1 s of grace, while a scorer that
+    # takes 0.5 s per trajectory (4 s per step) keeps the step from finishing in time
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    time.sleep(0.5)\n    return 0.0\n")
+    rc, out = _run_until(_cmd(tool_model_dir, toy_data, run, "trainer.save_freq=1", "trainer.preemption_grace_s=1",
+                              f"custom_reward_function.path={slow}"),
                          tmp_path / "run.log", "step 2/4", sigterm)
     took = time.monotonic() - sent["t"]
     assert rc == 143 and took < 15, (rc, took, out[-3000:])

@@ -176,3 +176,34 @@ def test_hit_latency_is_small(tmp_path):
     per_hit = (time.perf_counter() - t0) / 2000
     assert per_hit < 1e-3  # generous bound for a loaded 2-core machine; typical ~10 us
     c.close()
+
+
+def _open_and_write(path, barrier, results):
+    from verl_arpo.workers.rollout.tools.cache import SearchCache
+
+    barrier.wait()
+    try:
+        cache = SearchCache(path, namespace="tool")
+        cache.put("q", "r")
+        cache.close()
+        results.put("ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put(repr(exc))
+
+
+def test_processes_creating_one_new_cache_at_once_all_succeed(tmp_path):
+    """Two Ray workers build the search tool at the same moment on a cache file that does not exist
+    yet: the loser of the switch to WAL got "database is locked" (no busy wait for a journal-mode
+    change), and with tools that must build, the run stopped. Now it retries."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for trial in range(12):
+        path = str(tmp_path / f"c{trial}.sqlite")
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_open_and_write, args=(path, barrier, results)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [results.get(timeout=5) for _ in procs] == ["ok"] * 4, trial

@@ -151,10 +151,17 @@ def test_merge_checkpoint_matches_trainer_model(ray_local, tool_model_dir, toy_d
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
     from verl_arpo.utils.torch_functional import logprobs_from_logits
 
+    secret = "svc-E2E-0123456789"  # a credential for the workers, kept out of Ray's logged runtime_env
     cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path / "run",
-                              ["trainer.total_training_steps=1", "trainer.save_freq=1"]))
+                              ["trainer.total_training_steps=1", "trainer.save_freq=1",
+                               f"+ray_init.runtime_env.env_vars.E2E_SERVICE_TOKEN={secret}"]))
     _, trainer = run_ppo(cfg, keep_workers=True)
     try:
+        import ray
+
+        seen = ray.get([w.__ray_call__.remote(lambda self: os.environ.get("E2E_SERVICE_TOKEN"))
+                        for w in trainer.actor_rollout_wg.workers])
+        assert seen == [secret] * len(seen)  # every worker got it (by a method call) before init_model
         batch = trainer._collate(trainer.train_dataset, [0, 1])
         batch, _ = trainer._rollout(batch, step=99)
         live = trainer.actor_rollout_wg.compute_log_prob(batch).batch["old_log_probs"]

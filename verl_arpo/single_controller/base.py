@@ -163,6 +163,11 @@ class Worker:
             return int(raw) > 1
         return self.local_world_size < self.world_size
 
+    def set_environment(self, env: dict[str, str]) -> None:
+        """Add variables to this worker's environment (credentials that must not travel in Ray's
+        runtime_env, whose agent logs it)."""
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+
     def get_node_info(self) -> dict[str, Any]:
         """Where this worker runs: ``hostname``, ``ip``, ``pid``, ``rank``, ``world_size``,
         ``local_rank``, ``local_world_size``, ``master_addr``, ``master_port``,

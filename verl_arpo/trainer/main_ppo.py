@@ -28,6 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
 from verl_arpo.utils.resources import config_dir
+from verl_arpo.utils.secrets import secret_env_vars
 from verl_arpo.utils.job_config import JobConfig, RayInitConfig, from_mapping
 
 CONFIG_DIR = config_dir()
@@ -87,7 +88,13 @@ def init_ray(cfg: JobConfig | DictConfig) -> bool:
     ray_cfg = cfg.ray_init if isinstance(cfg, JobConfig) else from_mapping(RayInitConfig, _plain(cfg.ray_init), "ray_init")
     runtime_env = dict(ray_cfg.runtime_env or {})  # free-form: Ray's runtime_env fields
     env_vars = {**DEFAULT_RAY_ENV, **(runtime_env.get("env_vars") or {})}
-    runtime_env["env_vars"] = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env_vars.items()}
+    env_vars = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env_vars.items()}
+    # Ray's runtime-env agent writes the whole runtime_env into its log: credentials stay out of it.
+    # The driver keeps them in its environment (its reward functions), and the trainer hands them to
+    # every worker with a method call before the workers build anything (RayPPOTrainer.init_workers)
+    secrets = secret_env_vars(env_vars)
+    os.environ.update(secrets)
+    runtime_env["env_vars"] = {k: v for k, v in env_vars.items() if k not in secrets}
     if ray_cfg.address:
         ray.init(address=str(ray_cfg.address), runtime_env=runtime_env)
     else:

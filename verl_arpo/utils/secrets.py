@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["SECRET_ENV_VARS", "MASK", "is_secret_key", "mask_text", "mask_secrets"]
+__all__ = ["SECRET_ENV_VARS", "MASK", "is_secret_key", "mask_text", "mask_secrets", "secret_env_vars"]
 
 SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 """Environment variables whose values are masked wherever they appear inside a string."""
@@ -103,3 +103,8 @@ def mask_secrets(cfg: DictConfig | Mapping | Any) -> dict:
     else:
         raise TypeError(f"mask_secrets expects a config or a mapping, got {type(cfg).__name__}")
     return _mask(plain)
+
+
+def secret_env_vars(env_vars: Mapping[str, Any] | None) -> dict[str, str]:
+    """The credential-named entries of an environment mapping (`ray_init.runtime_env.env_vars`)."""
+    return {str(k): str(v) for k, v in (env_vars or {}).items() if is_secret_key(k)}

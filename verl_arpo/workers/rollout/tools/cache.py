@@ -105,9 +105,23 @@ class SearchCache:
         atexit.register(lambda: ref() is not None and ref().close())
 
     def _create_schema(self) -> None:
-        with self._conn() as conn:  # creating the schema also switches the file to WAL, once
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
+        """Switch the file to WAL (once) and create the tables. Several processes opening a new file
+        at once race for the switch, and SQLite answers the loser "database is locked" without
+        waiting (no busy handler for a journal-mode change): retry until the busy timeout."""
+        deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+        delay = 0.01
+        while True:
+            try:
+                with self._conn() as conn:
+                    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                        conn.execute("PRAGMA journal_mode=WAL")
+                    conn.executescript(_SCHEMA)
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(0.5, delay * 2)
 
     def _close_conns(self) -> None:
         """Close every thread's connection (errors of an already broken one are ignored)."""
