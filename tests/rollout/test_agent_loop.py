@@ -321,3 +321,21 @@ def test_branch_rule_and_pre_monitoring_are_separate_switches(tiny_tokenizer, br
 def test_unknown_branch_rule_names_the_choices():
     with pytest.raises(ValueError, match="aepo"):
         RolloutConfig(branch_rule="beam")
+
+
+def test_progress_lines_count_finished_trajectories_tool_calls_and_tokens(tiny_tokenizer, monkeypatch, capsys):
+    """One plain line per round (VERL_ARPO_PROGRESS_S=0), from rank 0 only; the counts match the
+    batch the loop returns (2 prompts × n=2, two tool calls each, then the answer)."""
+    tok = tiny_tokenizer
+    monkeypatch.setenv("VERL_ARPO_PROGRESS_S", "0")
+    monkeypatch.setenv("RANK", "0")
+    loop, _ = _loop(tok, calls_then_answer(2), n=2)
+    out = loop.generate_sequences(_prompts(tok, ["q one", "q two"]))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[rollout]")]
+    assert [ln.split(":")[0] for ln in lines] == ["[rollout] round 1", "[rollout] round 2", "[rollout] round 3"]
+    generated = int(out.meta_info["metrics"]["rollout/tokens_generated"])
+    assert lines[-1].startswith(f"[rollout] round 3: 4/4 trajectories finished, 8 tool calls, {generated} tokens generated")
+    assert lines[0].startswith("[rollout] round 1: 0/4 trajectories finished, 4 tool calls")
+    monkeypatch.setenv("RANK", "1")  # other ranks stay quiet
+    loop.generate_sequences(_prompts(tok, ["q one"]))
+    assert "[rollout]" not in capsys.readouterr().out

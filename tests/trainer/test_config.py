@@ -482,3 +482,17 @@ def test_cpu_workers_split_their_nodes_cores():
     from verl_arpo.trainer.ppo.ray_trainer import cpu_threads_per_worker
 
     assert [cpu_threads_per_worker(c, w) for c, w in ((2, 1), (2, 2), (8, 3), (1, 4), (16, 8))] == [2, 1, 2, 1, 2]
+
+
+def test_the_console_gets_a_summary_and_the_full_config_goes_to_a_file(paths, tmp_path):
+    """No 300-line YAML dump on the console: a few summary lines ending with the config file's path,
+    and that file holds the whole (masked) config."""
+    proc = run_main(["--config-name=cpu_tiny", f"actor_rollout_ref.model.path={paths / 'model'}",
+                     "actor_rollout_ref.actor.optim.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2  # the bad lr: stops before Ray, after the summary
+    summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("[verl_arpo] ")]
+    assert [ln.split()[1] for ln in summary] == ["model", "algorithm", "rollout", "data", "run", "output", "config"]
+    assert "actor_rollout_ref:" not in proc.stdout  # no YAML dump
+    full = tmp_path / "run" / "config.yaml"
+    assert summary[-1] == f"[verl_arpo] config    {full}"
+    assert OmegaConf.create(full.read_text()).actor_rollout_ref.actor.optim.lr == -1

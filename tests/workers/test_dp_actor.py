@@ -427,3 +427,18 @@ def test_rollout_correction_weights_the_update_and_logs_the_mismatch(model, appl
     want, plain_metrics = actor_grad(model, plain)
     assert "mismatch/rollout_is_mean" in metrics and "mismatch/rollout_is_mean" not in plain_metrics
     assert_grads_close(got, want)
+
+
+def test_update_reports_progress_per_micro_batch_and_its_step_counts(model, monkeypatch, capsys):
+    """VERL_ARPO_PROGRESS_S=0: one `[update]` line per micro-batch, numbered as the actor splits
+    the batch; the update's counts say one optimizer step, none skipped."""
+    monkeypatch.setenv("VERL_ARPO_PROGRESS_S", "0")
+    monkeypatch.setenv("RANK", "0")
+    data = make_batch(model.config.vocab_size, seed=2)
+    _, metrics = actor_grad(model, data, ppo_micro_batch_size_per_gpu=1)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[update]")]
+    n = len(data)
+    assert [ln.rsplit(" (", 1)[0] for ln in lines] == [
+        f"[update] epoch 1/1, mini-batch 1/1, micro-batch {i}/{n}" for i in range(1, n + 1)]
+    assert (metrics["actor/optimizer_steps"], metrics["actor/skipped_optimizer_steps"],
+            metrics["actor/non_finite_losses"]) == (1.0, 0.0, 0.0)
