@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 ENV_INTERVAL = "VERL_ARPO_PROGRESS_S"
 
@@ -29,9 +30,11 @@ class Progress:
         self.enabled = interval_s >= 0 and os.environ.get("RANK", "0") == "0"
         self.start = self.last = time.monotonic()
 
-    def __call__(self, message: str, force: bool = False) -> None:
+    def __call__(self, message: str | Callable[[], str], force: bool = False) -> None:
+        """`message` may be a callable: it is only built when a line is printed (hot loops)."""
         now = time.monotonic()
         if not self.enabled or (not force and now - self.last < self.interval_s):
             return
         self.last = now
-        print(f"[{self.what}] {message} ({now - self.start:.0f} s)", file=sys.stdout, flush=True)
+        text = message() if callable(message) else message
+        print(f"[{self.what}] {text} ({now - self.start:.0f} s)", file=sys.stdout, flush=True)

@@ -77,13 +77,6 @@ def cpu_threads_per_worker(node_cpus: float, workers_per_node: int) -> int:
     return max(1, int(node_cpus) // max(1, workers_per_node))
 
 
-def _worker_secret_env(cfg) -> dict[str, str]:
-    """Credentials of ray_init.runtime_env.env_vars, which init_ray keeps out of Ray's runtime_env."""
-    from verl_arpo.utils.secrets import secret_env_vars
-
-    return secret_env_vars((cfg.ray_init.runtime_env or {}).get("env_vars"))
-
-
 def _node_cpus(nnodes: int) -> float:
     """Cores a node can give its workers: Ray's logical CPUs per node, but never more than this
     machine's cores (a test cluster may declare 8 logical CPUs on 2 cores)."""
@@ -149,6 +142,7 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ workers
     def init_workers(self):
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl_arpo.utils.secrets import secret_env_vars
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
@@ -162,8 +156,10 @@ class RayPPOTrainer:
         self.actor_rollout_wg = RayWorkerGroup(
             self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref"),
             name_prefix="actor_rollout_ref", call_timeout=timeout)
-        secrets = _worker_secret_env(cfg)
-        if secrets:  # before init_model: the tools read their keys when they are built
+        # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
+        # tools read their keys when they are built
+        secrets = secret_env_vars((cfg.ray_init.runtime_env or {}).get("env_vars"))
+        if secrets:
             self.actor_rollout_wg.execute_all("set_environment", secrets)
         self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.seed))
         infos = self.actor_rollout_wg.execute_all("get_node_info")  # after init_model: the process group exists

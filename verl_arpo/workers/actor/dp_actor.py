@@ -264,8 +264,8 @@ class DataParallelPPOActor:
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
                 for micro_idx, micro in enumerate(micro_batches):
-                    progress(f"epoch {epoch + 1}/{c.ppo_epochs}, mini-batch {mini_idx + 1}/{len(minis)}, "
-                             f"micro-batch {micro_idx + 1}/{len(micro_batches)}")
+                    progress(lambda: f"epoch {epoch + 1}/{c.ppo_epochs}, mini-batch {mini_idx + 1}/{len(minis)}, "
+                                     f"micro-batch {micro_idx + 1}/{len(micro_batches)}")
                     micro = to_device(micro, self.device)
                     loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
                     non_finite_losses += not math.isfinite(loss.item())

@@ -200,9 +200,9 @@ class AgentLoop:
             consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
             round_idx += 1
             trajs = [t for g in groups for t in g]
-            progress(f"round {round_idx}: {sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
-                     f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
-                     f"{int(self._stats['rollout/tokens_generated'])} tokens generated",
+            progress(lambda: f"round {round_idx}: {sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
+                             f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
+                             f"{int(self._stats['rollout/tokens_generated'])} tokens generated",
                      force=all(t.done for t in trajs))
 
         # 6. exactly n per prompt: cut a round-capped run, duplicate the last one if short
