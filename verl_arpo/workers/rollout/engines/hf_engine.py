@@ -11,7 +11,9 @@ How a call runs
 1. Lookup: for each request take the cached entry of `request_id` (or, for a new branch, of
    `parent_id`), check that the new `prompt_ids` start with the cached tokens and cut the entry to
    the common prefix (a mismatch therefore degrades to partial or full re-encoding, never to a
-   wrong answer). The rest of the prompt is the *suffix* to prefill.
+   wrong answer). The rest of the prompt is the *suffix* to prefill. Fresh requests (no cached
+   entry) that start with the same tokens, such as a system prompt, get that shared prefix
+   encoded once and used as their cached past.
 2. Prefill: requests are grouped by suffix length (so a fresh 500-token prompt does not pad
    thirty 30-token tool results); each group's cached keys/values are left-padded to a common
    length, the suffixes are left-padded after them, and one forward runs with an explicit
@@ -61,6 +63,9 @@ from verl_arpo.workers.rollout.engines.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Fresh prompts share their first tokens when at least this many (shorter: not worth a forward).
+_MIN_SHARED_PREFIX = 16
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -143,7 +148,9 @@ class HFEngine(InferenceEngine):
         tokenizer: a HF tokenizer (loaded from the folder when None).
         dtype: "float32" or "bfloat16" (bf16 is ~2x faster on CPUs with AMX).
         device: torch device; default cuda when available, else cpu.
-        attn_implementation: None = "sdpa"; "flash_attention_2" only if flash_attn is installed
+        attn_implementation: None = on CPU our grouped decode attention (`decode_attention.py`:
+            sdpa for prefill, grouped matmuls for one-token steps), elsewhere "sdpa";
+            "flash_attention_2" only if flash_attn is installed
             (otherwise sdpa, with a warning); "eager" works too.
         max_batch_size: rows decoded together; larger requests lists run in groups.
         kv_cache: keep each trajectory's KV between calls (False = re-encode every round).
@@ -172,7 +179,7 @@ class HFEngine(InferenceEngine):
             on_device = {"device_map": {"": self.device}} if self.device.type != "cpu" else {}
             self.model = AutoModelForCausalLM.from_pretrained(
                 str(model_or_path), dtype=_DTYPES[dtype],
-                attn_implementation=_pick_attn(attn_implementation), **on_device).to(self.device)
+                attn_implementation=_pick_attn(attn_implementation, self.device), **on_device).to(self.device)
         self.model.eval()
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
             str(model_or_path))
@@ -198,7 +205,8 @@ class HFEngine(InferenceEngine):
     def reset_stats(self) -> None:
         """Counters for benchmarks/tests: tokens prefilled vs reused from the cache, etc."""
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0,
-                      "forward_calls": 0, "prefill_calls": 0, "prefix_mismatches": 0}
+                      "forward_calls": 0, "prefill_calls": 0, "prefix_mismatches": 0,
+                      "shared_prefix_tokens": 0}
 
     def cached_tokens(self) -> int:
         """Tokens currently held in the per-request KV store (branches sharing storage count twice)."""
@@ -271,6 +279,7 @@ class HFEngine(InferenceEngine):
         # cannot change what its branch starts from.
         rows = [self._make_row(r) for r in requests]
         live = [r for r in rows if r.req.max_new_tokens > 0]
+        self._share_prefix([r for r in live if r.past is None])
         for r in rows:
             if r.req.max_new_tokens <= 0:
                 r.finish = "length"
@@ -304,6 +313,25 @@ class HFEngine(InferenceEngine):
         rng = self._rng if req.seed is None else torch.Generator().manual_seed(int(req.seed))
         self.stats["reused_tokens"] += n
         return _Row(req, past, list(req.prompt_ids[n:]), rng, _StopChecker(self.tokenizer, req.stop))
+
+    def _share_prefix(self, fresh: list[_Row]) -> None:
+        """Encode the prefix that all fresh rows share (the system prompt and chat template,
+        ~118 of ~140 tokens in the quickstart's prompts) once, and give it to each of them as
+        its cached past: their prefill then covers only their own suffixes. Rows with a cached
+        entry of their own (continuing trajectories, branches) already skip their prefix."""
+        if not self.reuse_kv or len(fresh) < 2:
+            return
+        first = fresh[0].suffix
+        n = min(min(common_prefix_len(first, r.suffix), len(r.suffix) - 1) for r in fresh[1:])
+        n = min(n, len(first) - 1)
+        if n < _MIN_SHARED_PREFIX:
+            return
+        head = _Row(fresh[0].req, None, first[:n], fresh[0].rng, fresh[0].stop)
+        batch, _ = self._prefill([head])
+        shared = self._extract(batch, 0, first[:n])
+        self.stats["shared_prefix_tokens"] += n * (len(fresh) - 1)
+        for r in fresh:
+            r.past, r.suffix = shared, r.suffix[n:]
 
     def _run_group(self, rows: list[_Row]) -> None:
         chunks = self._prefill_chunks(rows)
@@ -511,7 +539,11 @@ def _draw(logp: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
 
 
-def _pick_attn(name: str | None) -> str:
+def _pick_attn(name: str | None, device: torch.device) -> str:
+    if name in (None, "") and device.type == "cpu":
+        from verl_arpo.workers.rollout.engines import decode_attention
+
+        return decode_attention.register()
     if name in (None, "", "sdpa"):
         return "sdpa"
     if name == "flash_attention_2":
