@@ -178,8 +178,17 @@ def main(argv=None) -> None:
         rows.append({**r, "label": label})
         print(f"{who:<5} {label:<55} {r['tok_per_s']:>8.0f} tok/s  step {r['step_s']:.1f} s  "
               f"peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+    from bench_common import summary_entry
+
+    summary = []   # each of our rows against the bare loop of the same precision and checkpointing
+    for r in rows:
+        bare = next((b for b in rows if b["who"] == "bare" and b["precision"] == r["precision"]
+                     and b["checkpointing"] == r["checkpointing"]), None)
+        if r["who"] == "ours" and bare is not None:
+            summary.append(summary_entry(f"trained tok/s, ours / bare loop: {r['label']}", r["tok_per_s"],
+                                         bare["tok_per_s"], r["tok_per_s"] / bare["tok_per_s"], 0.8))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(dict(benchmark="actor_update", args=vars(a), rows=rows,
+    Path(a.out).write_text(json.dumps(dict(benchmark="actor_update", args=vars(a), rows=rows, summary=summary,
                                            load_avg=list(os.getloadavg())), indent=2))
 
 

@@ -93,6 +93,8 @@ SMOKES = {
                   "--initial_rollouts", "2", "--seeds", "1", "--response_length", "48"],
     "rollout_engine": ["bench_rollout_engine.py", "--quick", "--no-vllm"],
     "tools": ["bench_tools.py", "--quick"],
+    "engine_levers": ["bench_engine_levers.py", "--quick"],
+    "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7"],
 }
 
 

@@ -158,6 +158,7 @@ class HFEngine(InferenceEngine):
         max_cached_tokens: cap on tokens kept in the KV store; the least recently stored
             trajectories are evicted first (None = no cap; the rollout loop calls `release`).
         seed: seed of the generator used by requests without their own seed.
+        share_prefix: encode the prefix that the fresh prompts of one call share once.
 
     A module shared with the trainer (no copy) changes under the engine at every optimizer step:
     call `release()` after each step (there is then no need for `update_weights`).
@@ -166,7 +167,7 @@ class HFEngine(InferenceEngine):
     def __init__(self, model_or_path, tokenizer=None, dtype: str = "float32", device=None,
                  attn_implementation: str | None = None, max_batch_size: int = 64,
                  kv_cache: bool = True, max_prefill_tokens: int = 16384,
-                 max_cached_tokens: int | None = None, seed: int = 0):
+                 max_cached_tokens: int | None = None, seed: int = 0, share_prefix: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -194,6 +195,7 @@ class HFEngine(InferenceEngine):
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._asleep = False
         self.reuse_kv = bool(kv_cache)
+        self.share_prefix = bool(share_prefix)
         if kv_cache and (why := _why_no_kv_reuse(self.model)):
             logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
                            "re-encodes the full context)", why)
@@ -319,7 +321,7 @@ class HFEngine(InferenceEngine):
         ~118 of ~140 tokens in the quickstart's prompts) once, and give it to each of them as
         its cached past: their prefill then covers only their own suffixes. Rows with a cached
         entry of their own (continuing trajectories, branches) already skip their prefix."""
-        if not self.reuse_kv or len(fresh) < 2:
+        if not (self.reuse_kv and self.share_prefix) or len(fresh) < 2:
             return
         first = fresh[0].suffix
         n = min(min(common_prefix_len(first, r.suffix), len(r.suffix) - 1) for r in fresh[1:])

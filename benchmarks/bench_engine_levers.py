@@ -1,0 +1,131 @@
+"""HF engine levers on the quickstart's evaluation shape: decode attention and a shared prompt prefix.
+
+Workload: the first `--prompts` questions of the bundled test split with their system prompt
+(chat template; ~118 of ~140 tokens are the same in every prompt), greedy, up to `--new_tokens`
+tokens each, all rows in one batch, SmolLM2-135M-Instruct (or `--model`) in bf16, one process with
+`--threads` torch threads. Cases, each in a fresh subprocess:
+
+1. sdpa attention, every prompt prefilled in full — the engine before (baseline);
+2. grouped decode attention (`decode_attention.py`), full prefill;
+3. grouped decode attention + the shared prefix encoded once — the engine now.
+
+Reports wall seconds of `generate`, generated tokens/s, prefilled tokens, peak RSS of the process,
+the ratio to case 1 in the same run, and how many rows produced exactly case 1's tokens (bf16
+rounding differs between kernels, so a few greedy rows may take another token).
+
+    python benchmarks/bench_engine_levers.py [--model DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CASES = [  # (label, attention, share_prefix)
+    ("sdpa, full prefill (before)", "sdpa", False),
+    ("grouped decode attention, full prefill", None, False),
+    ("grouped decode attention + shared prefix (now)", None, True),
+]
+
+
+def child(spec: dict) -> dict:
+    import resource
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams
+    from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
+
+    torch.set_num_threads(int(spec["threads"]))
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for r in spec["rows"]]
+    eng = HFEngine(spec["model"], tok, dtype="bfloat16", attn_implementation=spec["attention"],
+                   max_batch_size=len(prompts), share_prefix=spec["share_prefix"])
+    reqs = [GenRequest(str(i), p, int(spec["new_tokens"]), [], SamplingParams(greedy=True))
+            for i, p in enumerate(prompts)]
+    eng.generate(reqs[:2])   # warm-up (kernels, allocator)
+    eng.release()
+    eng.reset_stats()
+    t0 = time.perf_counter()
+    outs = eng.generate(reqs)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.token_ids) for o in outs)
+    return dict(wall_s=wall, generated=gen, tok_per_s=gen / wall, prefill_tokens=eng.stats["prefill_tokens"],
+                attention=eng.model.config._attn_implementation, tokens=[o.token_ids for o in outs],
+                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def run(spec: dict) -> dict:
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, __file__, "child", str(path)], capture_output=True, text=True,
+                             env=env, cwd=str(ROOT))
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "child":
+        print(json.dumps(child(json.loads(Path(sys.argv[2]).read_text()))))
+        return
+    from bench_common import print_table, prompt_rows, summary_entry, write_json
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct, prepared offline)")
+    p.add_argument("--prompts", type=int, default=150)
+    p.add_argument("--new_tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="16 prompts, 24 tokens")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_levers.json"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.prompts, a.new_tokens = 16, 24
+    model = a.model
+    if model is None:
+        from verl_arpo.utils.model_prep import default_model_dir, is_prepared, prepare_model
+
+        model = str(default_model_dir())
+        if not is_prepared(Path(model)):
+            prepare_model(model)
+    rows = prompt_rows(a.prompts, ROOT / "rl_datasets" / "test.parquet")
+    results = []
+    for label, attention, share in CASES:
+        r = run(dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads, attention=attention,
+                     share_prefix=share))
+        results.append({**r, "label": label})
+    base = results[0]
+    table = []
+    for r in results:
+        same = sum(t == b for t, b in zip(r["tokens"], base["tokens"]))
+        table.append({"case": r["label"], "attention": r["attention"], "generate s": f"{r['wall_s']:.1f}",
+                      "generated tok/s": f"{r['tok_per_s']:.0f}", "prefilled tokens": r["prefill_tokens"],
+                      "speed-up": f"{base['wall_s'] / r['wall_s']:.2f}x", "rows = case 1": f"{same}/{len(rows)}",
+                      "peak RSS MiB": f"{r['peak_rss_mib']:.0f}"})
+    print_table(table, list(table[0]), title=f"HF engine levers: {a.prompts} prompts x {a.new_tokens} tokens, "
+                                             f"bf16, {a.threads} threads, load {os.getloadavg()[0]:.1f}")
+    now = results[-1]
+    summary = [summary_entry("generate wall s, before / now (same run)", now["wall_s"], base["wall_s"],
+                             base["wall_s"] / now["wall_s"], None)]
+    for r in results:
+        r.pop("tokens")
+    write_json(a.out, dict(benchmark="engine_levers", args={**vars(a), "model": model}, rows=results,
+                           summary=summary, load_avg=list(os.getloadavg())))
+
+
+if __name__ == "__main__":
+    main()
