@@ -94,6 +94,7 @@ SMOKES = {
     "rollout_engine": ["bench_rollout_engine.py", "--quick", "--no-vllm"],
     "tools": ["bench_tools.py", "--quick"],
     "engine_levers": ["bench_engine_levers.py", "--quick"],
+    "async_rollout_hf": ["bench_async_rollout.py", "--quick"],
     "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7"],
 }
 

@@ -29,7 +29,7 @@ INT_GE1 = [f"{AR}.rollout.n", f"{AR}.rollout.beam_size", f"{AR}.rollout.entropy_
            f"{AR}.rollout.log_prob_micro_batch_size_per_gpu", f"{AR}.ref.log_prob_micro_batch_size_per_gpu"]
 NULL_OR_INT_GE1 = ["trainer.total_training_steps", "ray_init.num_cpus", f"{AR}.rollout.initial_rollouts"]
 INT_ANY = ["trainer.save_freq", "trainer.test_freq", "trainer.total_epochs"]
-CHOICES = {f"{AR}.rollout.name": ["hf", "vllm"], f"{AR}.rollout.mode": ["sync_with_tool"],
+CHOICES = {f"{AR}.rollout.name": ["hf", "vllm"], f"{AR}.rollout.mode": ["sync_with_tool", "async_with_tool"],
            f"{AR}.rollout.entropy_mode": ["topk_proxy", "full"], "data.truncation": ["error", "left", "right"],
            "trainer.device": ["auto", "cuda", "cpu"], "trainer.resume_mode": ["auto", "disable", "resume_path"],
            f"{AR}.actor.optim.warmup_style": ["constant", "cosine"], f"{AR}.actor.strategy": ["fsdp", "fsdp2"],

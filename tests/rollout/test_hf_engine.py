@@ -317,3 +317,43 @@ def test_statistics_window(tiny_model_dir, tiny_tokenizer, prompts):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
         assert b.topk_logprobs[:4] == a.topk_logprobs[:4] and all(x == [] for x in b.topk_logprobs[4:])
         assert b.entropy == a.entropy[:4]
+
+
+def test_requests_at_any_time_match_generate(model, tiny_tokenizer, prompts):
+    """Continuous batching (add_requests/step): rows join while others decode (their caches
+    merged) and leave when done; a later round and a branch reuse the stored KV. Every output
+    equals `generate`'s for the same requests (greedy and seeded sampling)."""
+    tok = tiny_tokenizer
+    sp = SamplingParams(temperature=1.0, logprobs_topk=3)
+    reqs = [req("a", prompts[0], 9, sp, seed=1), req("b", prompts[1], 14, GREEDY),
+            req("c", prompts[2], 5, sp, seed=3), req("z", prompts[3], 0)]
+    ref = engine(model, tok)
+    want = ref.generate(reqs)
+    eng = engine(model, tok)
+    eng.add_requests(reqs[:1])
+    got, steps = {}, 0
+    while eng.has_unfinished():
+        got.update((r.request_id, o) for r, o in eng.step())
+        steps += 1
+        if steps == 4:
+            eng.add_requests(reqs[1:])   # joins a batch that is 4 tokens into its decoding
+        assert steps < 100
+    assert set(got) == {"a", "b", "c", "z"}
+    for r, w in zip(reqs, want):
+        g = got[r.request_id]
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        assert g.logprobs == pytest.approx(w.logprobs, abs=TOL)
+        for g_row, w_row in zip(g.topk_logprobs, w.topk_logprobs):
+            assert g_row == pytest.approx(w_row, abs=TOL)
+    # the next round of "a" and a branch of it prefill only their new tokens
+    ctx = list(prompts[0]) + got["a"].token_ids + tok.encode(TOOL_RESULT)
+    nxt = [req("a", ctx, 6, sp, seed=4), req("a2", ctx, 6, sp, seed=5, parent_id="a")]
+    want2 = ref.generate(nxt)
+    eng.reset_stats()
+    eng.add_requests(nxt)
+    got2 = {}
+    while eng.has_unfinished():
+        got2.update((r.request_id, o) for r, o in eng.step())
+    assert eng.stats["reused_tokens"] == 2 * (len(prompts[0]) + len(got["a"].token_ids) - 1)
+    for r, w in zip(nxt, want2):
+        assert got2[r.request_id].token_ids == w.token_ids

@@ -228,3 +228,28 @@ def test_statistics_window_costs_only_its_tokens(vllm_engine, tok, prompts):
     assert two.token_ids == one.token_ids and two.finish_reason == one.finish_reason
     assert close(two.logprobs, one.logprobs)
     assert two.topk_logprobs[:w] == one.topk_logprobs[:w] and all(x == [] for x in two.topk_logprobs[w:])
+
+
+def test_requests_at_any_time_match_generate(vllm_engine, tok, prompts):
+    """add_requests/step (rollout.mode=async_with_tool): requests join while others decode and
+    leave when done; greedy outputs equal one `generate` call's, a statistics window included."""
+    import dataclasses
+
+    sp = dataclasses.replace(GREEDY, stats_window=5, full_entropy=False)
+    reqs = [req(f"r{i}", p, 12 + 4 * i, sp) for i, p in enumerate(prompts)] + [req("zero", prompts[0], 0, sp)]
+    want = vllm_engine.generate(reqs)
+    vllm_engine.add_requests(reqs[:2])
+    got, steps = {}, 0
+    while vllm_engine.has_unfinished():
+        got.update((r.request_id, o) for r, o in vllm_engine.step())
+        steps += 1
+        if steps == 3:   # a late arrival joins the running batch
+            vllm_engine.add_requests(reqs[2:])
+        assert steps < 500
+    assert set(got) == {r.request_id for r in reqs}
+    for r, w in zip(reqs, want):
+        g = got[r.request_id]
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        assert close(g.logprobs, w.logprobs)
+        assert g.topk_logprobs == w.topk_logprobs or all(
+            close(a, b) for a, b in zip(g.topk_logprobs, w.topk_logprobs) if a)

@@ -267,3 +267,59 @@ def test_shipped_configs_load(name, tags, tmp_path, monkeypatch):
         assert ex.execute("python", "print('hi')").text == "hi\n"
     finally:
         ex.close()
+
+
+def test_submit_runs_in_the_background_with_limits_timeouts_and_error_text():
+    """The asynchronous rollout's entry point: `submit` returns at once; results come back through
+    the callback, at most max_workers at a time, a hung call as timeout text, a raising one as
+    error text; the calls are counted like execute_batch's."""
+    import queue
+
+    sleep, hang, flaky = SleepTool(0.3), HangTool(), FlakyTool(99)
+    ex = ToolExecutor({"sleep": sleep, "hang": hang, "flaky": flaky}, max_workers=2, timeout=1.0, retry_count=0)
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    t0 = time.monotonic()
+    for i in range(4):
+        ex.submit("sleep", str(i), lambda r, i=i: got.put((f"sleep{i}", r)))
+    assert time.monotonic() - t0 < 0.1   # nothing waited for the tools
+    results = dict(got.get(timeout=5) for _ in range(4))
+    assert 0.55 < time.monotonic() - t0 < 1.5   # 4 calls of 0.3 s, 2 at a time
+    assert sleep.peak == 2
+    assert {k: r.text for k, r in results.items()} == {f"sleep{i}": f"slept {i}" for i in range(4)}
+    ex.submit("hang", "x", lambda r: got.put(("hang", r)))
+    ex.submit("flaky", "x", lambda r: got.put(("flaky", r)))
+    late = dict(got.get(timeout=5) for _ in range(2))
+    assert late["hang"].timed_out and "timed out" in late["hang"].text and not late["hang"].ok
+    assert not late["flaky"].ok and late["flaky"].text.startswith("Error")
+    m = ex.metrics()
+    assert m["tools/sleep/calls"] == 4 and m["tools/hang/timeouts"] == 1 and m["tools/flaky/failures"] == 1
+    hang.release.set()
+    ex.close()
+
+
+def test_per_tool_concurrency_and_timeout_from_the_yaml(tmp_path):
+    """`tool_instances.<name>.max_concurrency` caps that tool's simultaneous calls (a search API's
+    rate limit) while other tools keep the executor's max_workers; `.timeout` is its own deadline."""
+    yaml = tmp_path / "tools.yaml"
+    yaml.write_text(
+        "tools:\n  max_workers: 16\n  timeout: 5\n  retry_count: 0\n  tool_instances:\n"
+        "    sleep:\n      class_path: test_tool_executor.SleepTool\n"
+        "      max_concurrency: 2\n      timeout: 0.75\n      params: {seconds: 0.3}\n"
+        "    other:\n      class_path: test_tool_executor.OtherSleepTool\n"
+        "      params: {seconds: 0.3}\n")
+    ex = ToolExecutor.from_config(yaml)
+    sleep, other = ex.tools["sleep"], ex.tools["other"]
+    t0 = time.monotonic()
+    results = ex.execute_batch([("sleep", str(i)) for i in range(6)] + [("other", str(i)) for i in range(6)])
+    wall = time.monotonic() - t0
+    assert sleep.peak == 2 and other.peak == 6
+    # 2 at a time, 0.3 s each, 0.75 s deadline: the first two pairs finish, the third pair times out
+    assert [r.ok for r in results[:6]].count(True) == 4 and [r.timed_out for r in results[:6]].count(True) == 2
+    assert all("timed out after 0.75 seconds" in r.text for r in results[:6] if r.timed_out)
+    assert all(r.ok for r in results[6:])
+    assert wall < 2.0
+    ex.close()
+
+
+class OtherSleepTool(SleepTool):
+    name = trigger_tag = "other"

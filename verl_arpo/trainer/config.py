@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_arpo.utils.job_config import ConfigError, JobConfig, not_implemented_problems
+from verl_arpo.utils.job_config import ROLLOUT_MODES, ConfigError, JobConfig, not_implemented_problems
 from verl_arpo.utils.resources import bundled_root, resolve_bundled
 from verl_arpo.utils.secrets import SECRET_ENV_VARS, MASK, is_secret_key, mask_secrets, mask_text  # noqa: F401
 from verl_arpo.utils.tracking import LOGGER_BACKENDS, parse_logger
@@ -42,7 +42,6 @@ PROJECT_ROOT = bundled_root()
 
 VERL_LOGGERS_NOT_SUPPORTED = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
 ROLLOUT_NAMES = ("hf", "vllm")
-ROLLOUT_MODES = ("sync_with_tool",)
 DEVICES = ("auto", "cuda", "cpu")
 RESUME_MODES = ("auto", "disable", "resume_path")
 TRUNCATIONS = ("error", "left", "right")
@@ -149,7 +148,7 @@ def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:
         add(f"{r}.name", "vllm is not installed here: install it, or use actor_rollout_ref.rollout.name=hf")
     mode = _select(c, f"{r}.mode", "sync_with_tool")
     if mode not in ROLLOUT_MODES:
-        add(f"{r}.mode", f"unknown mode {mode!r}; accepted: {list(ROLLOUT_MODES)} (the multi-turn tool loop)")
+        add(f"{r}.mode", f"unknown mode {mode!r}; accepted: {list(ROLLOUT_MODES)} (sync: rounds with barriers; async: no barriers)")
     n = _as_int(_select(c, f"{r}.n", 1))
     if n is None or n < 1:
         add(f"{r}.n", "must be an integer >= 1 (trajectories per prompt)")

@@ -54,6 +54,7 @@ from collections.abc import Callable
 import numpy as np
 
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
+from verl_arpo.utils.job_config import ROLLOUT_MODES
 
 logger = logging.getLogger("verl_arpo.eval")
 
@@ -337,7 +338,7 @@ def _resolve(path: str) -> str:
 
 def build_loop(args, tokenizer, engine=None):
     """AgentLoop over the engine of `--engine` (or the one given) and the tools of `--tools`."""
-    from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
+    from verl_arpo.workers.rollout.agent_loop import RolloutConfig, build_agent_loop
     from verl_arpo.workers.rollout.engines.base import build_engine
     from verl_arpo.workers.rollout.tools import ToolExecutor
 
@@ -350,7 +351,7 @@ def build_loop(args, tokenizer, engine=None):
         engine = build_engine(args.engine, os.path.expanduser(args.model), tokenizer, **kwargs)
     cfg = RolloutConfig(n=args.k, response_length=args.max_response_length, temperature=args.temperature,
                         top_p=args.top_p, call_limit=call_limit, seed=args.seed, entropy_topk=1)
-    return AgentLoop(engine, tokenizer, executor, cfg), executor
+    return build_agent_loop(args.rollout_mode, engine, tokenizer, executor, cfg), executor
 
 
 def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
@@ -406,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=1, help="samples per question (1 = greedy)")
     p.add_argument("--tools", default="configs/tools/python_search_local.yaml", help="tool YAML, or 'none'")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    p.add_argument("--rollout_mode", choices=ROLLOUT_MODES, default="sync_with_tool",
+                   help="rounds with barriers, or none (tools overlap generation): rollout.mode")
     p.add_argument("--dtype", default="float32", help="engine dtype: float32 | bfloat16 (vllm: also auto)")
     p.add_argument("--max_response_length", type=int, default=1024, help="generated + tool-result tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature when k > 1")

@@ -220,12 +220,15 @@ class ToolsConfig:
                               "result_length": 500, "api_key": None, "zone": None, "location": "us"}}})
 
 
+# rollout.mode: rounds with barriers (agent_loop.py) or none (async_agent_loop.py)
+ROLLOUT_MODES = ("sync_with_tool", "async_with_tool")
+
 @dataclass(frozen=True)
 class RolloutSection:
     """`actor_rollout_ref.rollout` as written (the agent loop's own view is agent_loop.RolloutConfig)."""
 
     name: str = "hf"
-    mode: str = "sync_with_tool"
+    mode: str = "sync_with_tool"  # one of ROLLOUT_MODES
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0

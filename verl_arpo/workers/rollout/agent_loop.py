@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.utils.job_config import RolloutSection, ValKwargs, from_mapping
+from verl_arpo.utils.job_config import ROLLOUT_MODES, RolloutSection, ValKwargs, from_mapping
 from verl_arpo.utils.progress import Progress
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.rollout import branching
@@ -262,47 +262,54 @@ class AgentLoop:
                                seed=int(rng.integers(2**31 - 1)) if cfg.seed_requests else None)
                     for t in active]
         outputs = self.engine.generate(requests)
-        calls: list[tuple[Trajectory, str, str]] = []
-        for t, out in zip(active, outputs):
-            self._stats["rollout/tokens_generated"] += len(out.token_ids)
-            t.append(list(out.token_ids), 1, list(out.logprobs))
-            h = branching.round_entropy(out, cfg.entropy_mode, self.vocab_size, cfg.entropy_window)
-            t.round_entropies.append(h)
-            t.base_entropy = h if t.base_entropy is None else t.base_entropy
-            t.delta_entropy = h - t.base_entropy
-            self._round_entropy[len(t.round_entropies) - 1].append(h)
-            room = cfg.response_length - len(t.response_ids)
-            if out.finish_reason != "stop" or not tools:
-                t.done, t.finish_reason = True, out.finish_reason
-            elif room <= 0:  # the call closed exactly at the budget: no room for a result
-                t.done, t.finish_reason = True, "length"
-            elif t.num_tool_calls >= cfg.call_limit:
-                t.append([self.eos_id], 0)  # forced, not sampled: loss mask 0
-                t.done, t.finish_reason = True, "call_limit"
-            else:
-                text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                tag, content = extract_tool_call(text, out.stop_str)
-                calls.append((t, tag, content))
+        calls = [(t, *call) for t, out in zip(active, outputs) if (call := self._take_output(t, out, tools))]
         if calls:
             self._execute(calls)
+
+    def _take_output(self, t: Trajectory, out, tools: bool = True) -> tuple[str, str] | None:
+        """Append one round's generated tokens and entropy to `t`; return its tool call (tag,
+        content), or None when the trajectory ended (EOS, length, call limit)."""
+        cfg = self.cfg
+        self._stats["rollout/tokens_generated"] += len(out.token_ids)
+        t.append(list(out.token_ids), 1, list(out.logprobs))
+        h = branching.round_entropy(out, cfg.entropy_mode, self.vocab_size, cfg.entropy_window)
+        t.round_entropies.append(h)
+        t.base_entropy = h if t.base_entropy is None else t.base_entropy
+        t.delta_entropy = h - t.base_entropy
+        self._round_entropy[len(t.round_entropies) - 1].append(h)
+        room = cfg.response_length - len(t.response_ids)
+        if out.finish_reason != "stop" or not tools:
+            t.done, t.finish_reason = True, out.finish_reason
+        elif room <= 0:  # the call closed exactly at the budget: no room for a result
+            t.done, t.finish_reason = True, "length"
+        elif t.num_tool_calls >= cfg.call_limit:
+            t.append([self.eos_id], 0)  # forced, not sampled: loss mask 0
+            t.done, t.finish_reason = True, "call_limit"
+        else:
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            return extract_tool_call(text, out.stop_str)
+        return None
 
     def _execute(self, calls: list[tuple[Trajectory, str, str]]) -> None:
         todo = [(i, tag, content) for i, (_, tag, content) in enumerate(calls) if content.strip()]
         results = self.executor.execute_batch([(tag, content) for _, tag, content in todo]) if todo else []
         by_call = {i: r for (i, _, _), r in zip(todo, results)}
         for i, (t, tag, content) in enumerate(calls):
-            r = by_call.get(i)
-            text = r.text if r is not None else EMPTY_CALL_TEXT.format(tag=tag)
-            t.num_tool_calls += 1
-            room = self.cfg.response_length - len(t.response_ids)
-            # [reliability: tests/reliability/README.md] encode only what the budget can hold (a 10 MB tool output took
-            # tens of seconds to tokenise); `text` becomes the (sanitised) part the trajectory holds
-            ids, text = fit_tool_result(self.tokenizer, text, room)
-            t.tool_calls.append({"tag": tag, "content": content, "result": text,
-                                 "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok)})
-            t.append(ids[:room], 0)
-            if len(ids) >= room:
-                t.done, t.finish_reason = True, "length"
+            self._take_result(t, tag, content, by_call.get(i))
+
+    def _take_result(self, t: Trajectory, tag: str, content: str, r) -> None:
+        """Append a tool's result (mask 0) to `t`; None = an empty call, answered without the tool."""
+        text = r.text if r is not None else EMPTY_CALL_TEXT.format(tag=tag)
+        t.num_tool_calls += 1
+        room = self.cfg.response_length - len(t.response_ids)
+        # [reliability: tests/reliability/README.md] encode only what the budget can hold (a 10 MB tool output took
+        # tens of seconds to tokenise); `text` becomes the (sanitised) part the trajectory holds
+        ids, text = fit_tool_result(self.tokenizer, text, room)
+        t.tool_calls.append({"tag": tag, "content": content, "result": text,
+                             "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok)})
+        t.append(ids[:room], 0)
+        if len(ids) >= room:
+            t.done, t.finish_reason = True, "length"
 
     # ---------------------------------------------------------------------------------------
     def _branch(self, groups: list[list[Trajectory]], rule: str, rng: np.random.Generator,
@@ -410,3 +417,15 @@ class AgentLoop:
             # per-call window: counts belong to this rollout, so a resumed run reports the same numbers
             m.update({k: float(v) for k, v in self.executor.metrics(reset=True).items() if isinstance(v, (int, float))})
         return m
+
+
+def build_agent_loop(mode: str, engine, tokenizer, executor, config: RolloutConfig) -> AgentLoop:
+    """`rollout.mode`: sync_with_tool (rounds, this file) or async_with_tool (no round barriers,
+    async_agent_loop.py); both return the same DataProto."""
+    if mode == "sync_with_tool":
+        return AgentLoop(engine, tokenizer, executor, config)
+    if mode == "async_with_tool":
+        from verl_arpo.workers.rollout.async_agent_loop import AsyncAgentLoop
+
+        return AsyncAgentLoop(engine, tokenizer, executor, config)
+    raise ValueError(f"actor_rollout_ref.rollout.mode={mode!r}; choose one of {list(ROLLOUT_MODES)}")

@@ -135,6 +135,22 @@ class InferenceEngine(ABC):
     def release(self, request_ids: Iterable[str] | None = None) -> None:
         """Forget cached state of these requests (None = all). Engines without state ignore it."""
 
+    # -- requests at any time (rollout.mode=async_with_tool, docs/algorithms.md "Asynchronous rollout")
+    def add_requests(self, requests: Sequence[GenRequest]) -> None:
+        """Queue requests; they start at the next `step`. Engines with continuous batching admit
+        them between decode steps; this default runs every queued request in one `generate` call
+        at the next `step` (correct, only without overlap)."""
+        self.__dict__.setdefault("_queued", []).extend(requests)
+
+    def step(self) -> list[tuple[GenRequest, GenOutput]]:
+        """Advance generation; return the requests that finished, with their outputs."""
+        queued, self.__dict__["_queued"] = self.__dict__.get("_queued", []), []
+        return list(zip(queued, self.generate(queued))) if queued else []
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued or still generating."""
+        return bool(self.__dict__.get("_queued"))
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load new weights given as (HF parameter name, tensor) pairs; cached KV becomes stale and

@@ -38,8 +38,9 @@ flips a draw only when the uniform falls that close to a CDF boundary. Callers t
 randomness per round pass a different seed per round. Requests without a seed share the engine's
 generator (seeded at construction), so their draws depend on the batch order.
 
-What this does not do: continuous batching (groups of `max_batch_size` run one after another),
-paged attention, speculative decoding. Models whose cache is not a plain full-attention
+`generate` runs groups of `max_batch_size` one after another; `add_requests`/`step` admit and
+retire requests between decode steps instead (continuous batching: hf_continuous.py). What this
+does not do: paged attention, speculative decoding. Models whose cache is not a plain full-attention
 `DynamicCache` (sliding-window, linear-attention or hybrid layers) re-encode the full context
 every round (logged once); everything else still works for them.
 """
@@ -61,6 +62,7 @@ from verl_arpo.workers.rollout.engines.base import (
     topk_with_sampled,
     common_prefix_len,
 )
+from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousBatching
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ class _StopChecker:
         return min(hits)[1] if hits else None
 
 
-class HFEngine(InferenceEngine):
+class HFEngine(ContinuousBatching, InferenceEngine):
     """Batched generation on a transformers causal LM with a per-trajectory persistent KV cache.
 
     Args:
@@ -200,6 +202,7 @@ class HFEngine(InferenceEngine):
             logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
                            "re-encodes the full context)", why)
             self.reuse_kv = False
+        self._init_continuous()   # add_requests / step: hf_continuous.py
         self.reset_stats()
 
     # ------------------------------------------------------------------ public API
@@ -289,9 +292,7 @@ class HFEngine(InferenceEngine):
         live.sort(key=lambda r: len(r.req.prompt_ids))
         for i in range(0, len(live), self.max_batch_size):
             self._run_group(live[i:i + self.max_batch_size])
-        return [GenOutput(token_ids=r.tokens, finish_reason=r.finish, stop_str=r.stop_str,
-                          logprobs=r.logprobs, topk_logprobs=r.topk,
-                          entropy=r.entropy if r.sp.full_entropy else None) for r in rows]
+        return [_output(r) for r in rows]
 
     # ------------------------------------------------------------------ one group
 
@@ -335,24 +336,28 @@ class HFEngine(InferenceEngine):
         for r in fresh:
             r.past, r.suffix = shared, r.suffix[n:]
 
-    def _run_group(self, rows: list[_Row]) -> None:
+    def _prefill_rows(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+        """Prefill `rows` into one decoding batch; returns it with each row's next-token logits."""
         chunks = self._prefill_chunks(rows)
         if len(chunks) == 1:
-            batch, logits = self._prefill(chunks[0])
-        else:
-            # Prefill each chunk on its own, copy the rows' KV out, re-pad them together.
-            parts = {}
-            for chunk in chunks:
-                b, lg = self._prefill(chunk)
-                for i, r in enumerate(chunk):
-                    r.kv = self._extract(b, i, r.req.prompt_ids)
-                    parts[id(r)] = lg[i]
-            logits = torch.stack([parts[id(r)] for r in rows])
-            cache, mask = self._assemble([r.kv for r in rows])
-            batch = _Batch(rows, cache, mask, torch.tensor([len(r.kv.tokens) for r in rows],
-                                                           device=self.device))
-            for r in rows:
-                r.kv = None
+            return self._prefill(chunks[0])
+        # Prefill each chunk on its own, copy the rows' KV out, re-pad them together.
+        parts = {}
+        for chunk in chunks:
+            b, lg = self._prefill(chunk)
+            for i, r in enumerate(chunk):
+                r.kv = self._extract(b, i, r.req.prompt_ids)
+                parts[id(r)] = lg[i]
+        logits = torch.stack([parts[id(r)] for r in rows])
+        cache, mask = self._assemble([r.kv for r in rows])
+        batch = _Batch(rows, cache, mask, torch.tensor([len(r.kv.tokens) for r in rows],
+                                                       device=self.device))
+        for r in rows:
+            r.kv = None
+        return batch, logits
+
+    def _run_group(self, rows: list[_Row]) -> None:
+        batch, logits = self._prefill_rows(rows)
         while True:
             tokens = self._sample_and_record(logits, batch.rows)
             done = [i for i, r in enumerate(batch.rows) if r.finish is not None]
@@ -539,6 +544,11 @@ def _draw(logp: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     idx = torch.minimum(idx, last)   # u * total may round up to total
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
+
+
+def _output(r: _Row) -> GenOutput:
+    return GenOutput(token_ids=r.tokens, finish_reason=r.finish, stop_str=r.stop_str, logprobs=r.logprobs,
+                     topk_logprobs=r.topk, entropy=r.entropy if r.sp.full_entropy else None)
 
 
 def _pick_attn(name: str | None, device: torch.device) -> str:

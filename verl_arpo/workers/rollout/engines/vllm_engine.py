@@ -153,6 +153,9 @@ class VLLMEngine(InferenceEngine):
             [self.tokenizer.eos_token_id] + _as_list(hf_cfg.eos_token_id)) if t is not None})
         self._warned_truncation = False
         self._asleep = self._weights_awake = False
+        self._live: dict[str, tuple] = {}    # add_requests/step: vLLM request id -> (request, head, first part)
+        self._ready: list[tuple[GenRequest, GenOutput]] = []
+        self._n_submitted = 0
 
     def _head(self, req: GenRequest) -> int | None:
         """Tokens of the first of two calls when statistics are needed for the first `stats_window`
@@ -202,14 +205,55 @@ class VLLMEngine(InferenceEngine):
                                            seed=None if r.seed is None else (r.seed + 1) % 2**31) for r, o in cont])
             for (r, head), c in zip(cont, rest):
                 by_req[id(r)] = join_calls(self.tokenizer, r.stop, head, self._convert(r, c, stats=False))
-        results = []
+        return [by_req[id(r)] if id(r) in by_req else self._empty(r) for r in requests]
+
+    def _empty(self, r: GenRequest) -> GenOutput:
+        return GenOutput([], "length", None, [], [], [] if r.sampling.full_entropy and self.full_entropy else None)
+
+    # ------------------------------------------------------------------ requests at any time
+    # rollout.mode=async_with_tool: vLLM's own scheduler batches continuously; a request joins at
+    # the next engine step and leaves when it finishes (docs/algorithms.md, "Asynchronous rollout").
+    # A round with a statistics window is two vLLM requests, as in `generate`.
+
+    def add_requests(self, requests) -> None:
+        if self._asleep:
+            self.wake()
         for r in requests:
-            if id(r) not in by_req:
-                results.append(GenOutput([], "length", None, [], [], [] if r.sampling.full_entropy
-                                         and self.full_entropy else None))
+            if r.max_new_tokens <= 0:   # vLLM rejects max_tokens=0
+                self._ready.append((r, self._empty(r)))
                 continue
-            results.append(by_req[id(r)])
-        return results
+            h = self._head(r)
+            self._submit(r, r.prompt_ids, self._params(r, h or r.max_new_tokens, seed=r.seed), h, None)
+
+    def _submit(self, r: GenRequest, prompt: list[int], params, head: int | None, first: GenOutput | None) -> None:
+        self._n_submitted += 1
+        vid = f"{r.request_id}@{self._n_submitted}"   # unique per vLLM request
+        self._live[vid] = (r, head, first)
+        self.llm.llm_engine.add_request(vid, {"prompt_token_ids": list(prompt)}, params)
+
+    def step(self) -> list[tuple[GenRequest, GenOutput]]:
+        done, self._ready = self._ready, []
+        if not self._live:
+            return done
+        for o in self.llm.llm_engine.step():
+            if not o.finished:
+                continue
+            r, head, first = self._live.pop(o.request_id)
+            if first is None:
+                out = self._convert(r, o.outputs[0])
+                if head is not None and out.finish_reason == "length" and len(out.token_ids) == head:
+                    # the rest of the round, past its statistics window (see `generate`)
+                    seed = None if r.seed is None else (r.seed + 1) % 2**31
+                    self._submit(r, r.prompt_ids + out.token_ids,
+                                 self._params(r, r.max_new_tokens - head, stats=False, seed=seed), head, out)
+                    continue
+            else:
+                out = join_calls(self.tokenizer, r.stop, first, self._convert(r, o.outputs[0], stats=False))
+            done.append((r, out))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._ready)
 
     def _convert(self, req: GenRequest, c, stats: bool = True) -> GenOutput:
         import math

@@ -12,6 +12,9 @@ optional)::
       fail_on_error: true  raise when a tool cannot be built (false: warn and skip it)
       tool_instances:
         python: {class_path: verl.workers.rollout.tools.python_tool.PythonTool, params: {...}}
+        search: {class_path: ..., params: {...},
+                 max_concurrency: 8,   optional: calls of this tool running at once (an API's rate limit)
+                 timeout: 30}          optional: this tool's own wall seconds per call
 
 Class paths under ``verl.workers.rollout.tools.`` and ``verl.workers.agent.tools.`` (the reference
 repos) resolve to ours, so the seeds' YAML and launch-script overrides load as they are.
@@ -39,7 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from verl_arpo.utils.job_config import ToolsConfig, from_mapping
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, uses_run
@@ -119,6 +123,7 @@ def build_tools(cfg: ToolsConfig | Mapping | str | Path | Any) -> dict[str, Base
                            type(exc).__name__, exc)
             continue
         tools[tag] = tool
+        tool._instance_name = name   # ToolExecutor.from_config finds the instance's limits by it
     return tools
 
 
@@ -145,10 +150,15 @@ class ToolExecutor:
 
     def __init__(self, tools: Mapping[str, BaseTool], max_workers: int = 64, timeout: float = 120.0,
                  retry_count: int = 3, retry_backoff: float = 0.5, verbose_logging: bool = False,
-                 call_limit: int = 3):
+                 call_limit: int = 3, limits: Mapping[str, Mapping[str, Any]] | None = None):
         self.tools = dict(tools)
         self.max_workers = max(1, int(max_workers))
         self.timeout = float(timeout)
+        # per tool (`tool_instances.<name>.max_concurrency` / `.timeout`): a slot semaphore, a deadline
+        limits = {tag: dict(v) for tag, v in (limits or {}).items()}
+        self._timeouts = {tag: float(v["timeout"]) for tag, v in limits.items() if v.get("timeout") is not None}
+        self._slots = {tag: threading.BoundedSemaphore(int(v["max_concurrency"]))
+                       for tag, v in limits.items() if v.get("max_concurrency") is not None}
         self.retry_count = max(0, int(retry_count))
         self.retry_backoff = float(retry_backoff)
         self.verbose_logging = verbose_logging
@@ -156,13 +166,19 @@ class ToolExecutor:
         self._lock = threading.Lock()
         self._stats: dict[str, dict[str, float]] = {}
         self._abandoned: list[threading.Thread] = []
+        self._pool: ThreadPoolExecutor | None = None   # `submit` only
 
     @classmethod
     def from_config(cls, cfg: ToolsConfig | Mapping | str | Path | Any) -> "ToolExecutor":
         config = load_tools_config(cfg)
-        return cls(build_tools(config), max_workers=config.max_workers, timeout=config.timeout,
+        tools = build_tools(config)
+        limits = {}
+        for name, spec in config.tool_instances.items():
+            tag = next((t for t, tool in tools.items() if getattr(tool, "_instance_name", None) == name), name)
+            limits[tag] = {k: spec[k] for k in ("max_concurrency", "timeout") if spec.get(k) is not None}
+        return cls(tools, max_workers=config.max_workers, timeout=config.timeout,
                    retry_count=config.retry_count, retry_backoff=config.retry_backoff,
-                   verbose_logging=config.verbose_logging, call_limit=config.call_limit)
+                   verbose_logging=config.verbose_logging, call_limit=config.call_limit, limits=limits)
 
     # --------------------------------------------------------------------------- properties
     @property
@@ -202,7 +218,7 @@ class ToolExecutor:
                     if nxt >= len(calls):
                         break
                     continue
-                first_deadline = min(t0 for t0, _ in started.values()) + self.timeout
+                first_deadline = min(t0 + self._timeout_of(calls[i][0]) for i, (t0, _) in started.items())
                 if not any(i in finished for i in started):
                     wake.wait(timeout=max(0.0, first_deadline - time.monotonic()))
                 now = time.monotonic()
@@ -210,10 +226,10 @@ class ToolExecutor:
                     t0, th = started[i]
                     if i in finished:
                         results[i] = finished.pop(i)
-                    elif now >= t0 + self.timeout:
+                    elif now >= t0 + self._timeout_of(calls[i][0]):
                         tag = calls[i][0]
                         results[i] = ToolResult(
-                            f"Error: {tag} tool timed out after {self.timeout:g} seconds.", False,
+                            f"Error: {tag} tool timed out after {self._timeout_of(tag):g} seconds.", False,
                             now - t0, tag, timed_out=True)
                         self._abandon(th)
                     else:
@@ -222,6 +238,24 @@ class ToolExecutor:
         for r in results:
             self._record(r)
         return results  # type: ignore[return-value]
+
+    def submit(self, tag: str, content: str, on_done: Callable[[ToolResult], None]) -> None:
+        """Run one call in the background and hand its result to `on_done` (on a pool thread):
+        the asynchronous rollout's entry point. Same timeouts, retries, metrics and error text
+        as `execute`; at most ``max_workers`` calls run at once, the rest wait in the pool's queue."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="tool-call")
+            pool = self._pool
+
+        def run() -> None:
+            try:
+                result = self.execute(tag, content)
+            except BaseException as exc:  # noqa: BLE001 - the rollout waits for every result
+                result = ToolResult(error_text(tag, exc), False, 0.0, tag)
+            on_done(result)
+
+        pool.submit(run)
 
     def _precheck(self, tag: str, content: str) -> ToolResult | None:
         if tag not in self.tools:
@@ -236,7 +270,7 @@ class ToolExecutor:
                 wake: threading.Condition) -> None:
         t0 = time.monotonic()
         try:
-            result = self._call_with_retries(tag, content, t0 + self.timeout)
+            result = self._call_with_retries(tag, content, t0 + self._timeout_of(tag))
         except BaseException as exc:  # noqa: BLE001 - a worker must always report back
             result = ToolResult(error_text(tag, exc), False, 0.0, tag)
         result.seconds = time.monotonic() - t0
@@ -244,7 +278,23 @@ class ToolExecutor:
             finished[i] = result
             wake.notify()
 
+    def _timeout_of(self, tag: str) -> float:
+        return self._timeouts.get(tag, self.timeout)
+
     def _call_with_retries(self, tag: str, content: str, deadline: float) -> ToolResult:
+        slots = self._slots.get(tag)
+        if slots is None:
+            return self._attempts(tag, content, deadline)
+        # the tool's own concurrency limit: waiting for a slot counts against its deadline
+        if not slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return ToolResult(f"Error: {tag} tool timed out after {self._timeout_of(tag):g} seconds (all its "
+                              "concurrent slots were busy).", False, 0.0, tag, timed_out=True)
+        try:
+            return self._attempts(tag, content, deadline)
+        finally:
+            slots.release()
+
+    def _attempts(self, tag: str, content: str, deadline: float) -> ToolResult:
         tool = self.tools[tag]
         call = tool.run if uses_run(tool) else tool.execute
         problem, attempts = "", 0
@@ -325,6 +375,9 @@ class ToolExecutor:
         return out
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         for tool in self.tools.values():
             try:
                 if hasattr(tool, "close"):

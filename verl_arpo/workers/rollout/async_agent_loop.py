@@ -1,0 +1,179 @@
+"""The asynchronous tree rollout, `rollout.mode=async_with_tool` (docs/algorithms.md,
+"Asynchronous rollout"). The algorithm is agent_loop.py's (read that first); what changes is
+that nothing waits for a round:
+
+    1. budget     m0 (or AEPO's m_i; pre-monitoring itself runs in sync rounds) trajectories
+                  per prompt, all queued to the engine at once
+    2. generate   the engine batches whatever is queued continuously (`add_requests`/`step`);
+                  a trajectory whose generation ends on a tool's stop string starts its tool
+                  call on a worker thread while the engine keeps decoding the others
+    3. tool       its result (mask 0) is appended as soon as it is in
+    4. branch     at that moment, from the trajectory's *own* ΔH, against its prompt's free slots
+                  (never more than n per prompt); parent and branches are queued at once
+    5. refill     a prompt whose trajectories have all finished, still short of n, gets a fresh one
+    6. output     exactly n per prompt, the same DataProto as sync mode
+
+Reproducibility. Every random draw of a trajectory (its sampling seed per round, its branch
+draws) comes from its own stream, seeded with (rollout.seed, step, validate, prompt, trajectory
+id, round), and branch ids are derived from the parent's id and round (`p0-t1-r2b0`), so a
+trajectory's decisions do not depend on which other trajectory finished first. What can depend on
+timing: (a) which sibling takes a prompt's last free slot when two want it (the one whose tool
+result arrives first; results that arrive together are taken in trajectory-id order), (b) the
+engine's float rounding, which depends on which rows decode together (the engine's seed guarantee
+holds up to that), (c) AEPO's consecutive-branch count c_i, which counts branching decisions of a
+prompt in the order they happen (sync mode counts rounds). With an engine and tools of fixed
+latency the same tree comes back twice (tested). The trees differ from sync mode's for the same
+seed (sync draws from one stream in round order).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+import zlib
+from collections import defaultdict
+
+import numpy as np
+
+from verl_arpo.protocol import DataProto
+from verl_arpo.utils.progress import Progress
+from verl_arpo.workers.rollout import branching
+from verl_arpo.workers.rollout.agent_loop import AgentLoop, Trajectory
+from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
+
+
+class AsyncAgentLoop(AgentLoop):
+    """AgentLoop without round barriers: trajectories, tools and branches advance independently."""
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        cfg, meta = self.cfg, prompts.meta_info
+        validate = bool(meta.get("validate", False))
+        self._key = [cfg.seed, int(meta.get("global_steps", 0)), int(validate)]
+        n, rule, sampling = self._mode(validate, meta)
+        prompt_ids = self._unpad_prompts(prompts)
+        self._ids = defaultdict(int)
+        self._stats: dict[str, float] = defaultdict(float)
+        self._round_entropy: dict[int, list[float]] = defaultdict(list)
+        t0 = time.time()
+
+        # 1. budget (AEPO's pre-monitoring is a measurement before the rollout: sync rounds)
+        if rule != "none" and cfg.enable_dynamic_rollouts:
+            budgets = self._pre_monitor(prompt_ids, sampling, np.random.default_rng(self._key), n)
+        else:
+            budgets = [branching.initial_rollout_count(n, cfg.initial_rollouts if rule != "none" else n)] * len(prompt_ids)
+        groups = [[self._new_traj(i, ids) for _ in range(m)] for i, (ids, m) in enumerate(zip(prompt_ids, budgets))]
+        consecutive = [0] * len(groups)  # AEPO c_i, per prompt, counted over its branching decisions
+        by_id: dict[str, Trajectory] = {}
+        results: queue.SimpleQueue = queue.SimpleQueue()  # (trajectory, tag, content, ToolResult | None)
+        in_tool, engine_busy = 0, 0.0
+        progress = Progress("validation rollout" if validate else "rollout")
+
+        def start(ts: list[Trajectory]) -> None:
+            by_id.update((t.traj_id, t) for t in ts)
+            self.engine.add_requests([self._request(t, sampling) for t in ts])
+
+        def finished(t: Trajectory) -> None:   # 5. refill a prompt left without active trajectories
+            g = groups[t.prompt_idx]
+            if len(g) < n and all(x.done for x in g):
+                g.append(self._new_traj(t.prompt_idx, prompt_ids[t.prompt_idx]))
+                self._stats["rollout/fresh_refills"] += 1
+                start([g[-1]])
+
+        start([t for g in groups for t in g])
+        while self.engine.has_unfinished() or in_tool:
+            # 2. generate: one engine step; rows that ended leave the batch now
+            if self.engine.has_unfinished():
+                s = time.perf_counter()
+                outputs = self.engine.step()
+                engine_busy += time.perf_counter() - s
+                for req, out in outputs:
+                    t = by_id[req.request_id]
+                    call = self._take_output(t, out)
+                    if call is None:
+                        finished(t)
+                    else:
+                        in_tool += 1
+                        self._call_tool(t, *call, results)
+            # 3–4. tool results that are in (wait for one only when the engine has nothing to do)
+            ready = _drain(results, block=in_tool > 0 and not self.engine.has_unfinished())
+            for t, tag, content, r in sorted(ready, key=lambda x: x[0].traj_id):
+                in_tool -= 1
+                self._take_result(t, tag, content, r)
+                if not t.done and cfg.max_rounds is not None and len(t.round_entropies) >= cfg.max_rounds:
+                    t.done, t.finish_reason = True, "max_rounds"
+                if t.done:
+                    finished(t)
+                    continue
+                start([t, *self._branch_one(t, groups[t.prompt_idx], rule, consecutive, n)])
+            trajs = [t for g in groups for t in g]
+            progress(lambda: f"{sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
+                             f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
+                             f"{int(self._stats['rollout/tokens_generated'])} tokens generated",
+                     force=all(t.done for t in trajs))
+
+        # 6. exactly n per prompt (as in sync mode), in trajectory-id order (completion order is timing)
+        for g in groups:
+            g.sort(key=lambda t: _natural(t.traj_id))
+            while len(g) < n:
+                g.append(g[-1].branch(self._next_id(g[-1].prompt_idx)))
+                self._stats["rollout/duplicates"] += 1
+        self.engine.release()
+        wall = time.time() - t0
+        self._stats["timing_s/rollout"] = wall
+        self._stats["rollout/engine_busy_fraction"] = engine_busy / wall if wall > 0 else 0.0
+        self._stats["rollout/rounds"] = max((len(t.round_entropies) for g in groups for t in g), default=0)
+        return self._to_dataproto(prompts, groups)
+
+    # ---------------------------------------------------------------------------------------
+    def _stream(self, t: Trajectory, purpose: int) -> np.random.Generator:
+        """The trajectory's own random stream for its current round (see the module doc)."""
+        return np.random.default_rng([*self._key, t.prompt_idx, zlib.crc32(t.traj_id.encode()),
+                                      len(t.round_entropies), purpose])
+
+    def _request(self, t: Trajectory, sampling: SamplingParams) -> GenRequest:
+        cfg = self.cfg
+        seed = int(self._stream(t, 0).integers(2**31 - 1)) if cfg.seed_requests else None
+        return GenRequest(request_id=t.traj_id, prompt_ids=t.prompt_ids + t.response_ids,
+                          max_new_tokens=cfg.response_length - len(t.response_ids), stop=self.stop_strings,
+                          sampling=sampling, parent_id=t.parent_id, seed=seed)
+
+    def _call_tool(self, t: Trajectory, tag: str, content: str, results: queue.SimpleQueue) -> None:
+        if not content.strip():   # answered without the tool, as in sync mode
+            results.put((t, tag, content, None))
+            return
+        self.executor.submit(tag, content, lambda r: results.put((t, tag, content, r)))
+
+    def _branch_one(self, t: Trajectory, group: list[Trajectory], rule: str, consecutive: list[int],
+                    n: int) -> list[Trajectory]:
+        """Step 4 for one trajectory whose tool result just came in: up to beam_size − 1 draws
+        while its prompt has free slots."""
+        cfg, i = self.cfg, t.prompt_idx
+        decide, rng = branching.get_branch_rule(rule), self._stream(t, 1)
+        branches = []
+        for j in range(cfg.beam_size - 1):
+            if len(group) >= n:
+                break
+            if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
+                      entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
+                branches.append(t.branch(f"{t.traj_id}-r{len(t.round_entropies) - 1}b{j}"))
+                group.append(branches[-1])
+                self._stats["rollout/branches"] += 1
+        if rule != "none":
+            consecutive[i] = consecutive[i] + 1 if branches else 0
+        return branches
+
+
+def _natural(traj_id: str) -> list:
+    """Sort key: numbers inside the id compare as numbers (p0-t2 before p0-t10)."""
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", traj_id)]
+
+
+def _drain(results: queue.SimpleQueue, block: bool) -> list:
+    """Everything in the queue; with `block`, wait for the first item."""
+    items = [results.get()] if block else []
+    while True:
+        try:
+            items.append(results.get_nowait())
+        except queue.Empty:
+            return items
