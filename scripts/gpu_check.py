@@ -10,7 +10,8 @@ built on the spot). Rows:
                        sleep and wake (device memory after each); generate again
   sync_memory:<e>      extra peak device memory of a streamed weight sync, against the largest parameter
   train:<e>            2 GRPO/ARPO steps of scripts/ARPO_7B_Reasoning_1node.sh on 1 GPU, to a checkpoint;
-                       for hf also with param+optimizer offload, and with GAE (critic) + LoRA + packing
+                       for hf also with param+optimizer offload, and with GAE (critic) + LoRA + packing;
+                       for both with the asynchronous rollout (rollout.mode=async_with_tool)
 
 <e> is hf (our transformers engine) and vllm (when vLLM is installed; else the rows say SKIP).
 Environment: GPU_CHECK_ENGINES (default hf,vllm), GPU_CHECK_VARIANTS (default all), GPU_CHECK_DEVICE (cuda; `cpu` runs the same
@@ -187,7 +188,7 @@ def engine_rows(name: str, model_dir: str, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-# Training variants of the hf engine beyond the plain run (GPU_CHECK_VARIANTS=base,offload,gae_lora_packed):
+# Training variants beyond the plain run (GPU_CHECK_VARIANTS=base,offload,gae_lora_packed,async):
 # the offload paths, the critic, LoRA and packed sequences each run their own code on the device.
 VARIANTS = {
     "base": [],
@@ -195,6 +196,7 @@ VARIANTS = {
                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"],
     "gae_lora_packed": ["algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=8",
                         "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"],
+    "async": ["actor_rollout_ref.rollout.mode=async_with_tool"],   # no round barriers (both engines)
 }
 
 
@@ -263,8 +265,9 @@ def main() -> int:
             engine_rows(name, model_dir, device)
         except Exception:  # noqa: BLE001 - a failed check is a row, the others still run
             row(f"engine:{name}", "FAIL", traceback.format_exc(limit=6))
-        variants = ["base"] if name == "vllm" else [
-            v for v in os.environ.get("GPU_CHECK_VARIANTS", ",".join(VARIANTS)).split(",") if v]
+        variants = [v for v in os.environ.get("GPU_CHECK_VARIANTS", ",".join(VARIANTS)).split(",") if v]
+        if name == "vllm":   # the engine-independent variants run with hf only
+            variants = [v for v in variants if v in ("base", "async")]
         for variant in variants:
             try:
                 train_row(name, model_dir, device, work, variant)

@@ -46,6 +46,6 @@ def test_gpu_check_passes_on_the_host_with_vllm(tmp_path):
     from verl_arpo.utils.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0, hidden_size=128, intermediate_size=256)  # head_dim 32
-    rows = _run(tmp_path, model_dir, "vllm")
-    assert [k for k in rows] == ["env", "engine:vllm", "sync_memory:vllm", "train:vllm"]
+    rows = _run(tmp_path, model_dir, "vllm", "base,async")
+    assert [k for k in rows] == ["env", "engine:vllm", "sync_memory:vllm", "train:vllm", "train:vllm+async"]
     assert all(r["status"] == "PASS" for r in rows.values()), rows
