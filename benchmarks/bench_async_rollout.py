@@ -10,9 +10,11 @@ query's hash, so both modes see the same delay for the same query). `--latency 0
 zero-latency check (async must not cost more than sync there).
 
 Each mode runs the same steps (same seeds, alternated sync/async, fresh engine per run, one
-process); reported: rollout seconds per step (median), the engine's busy fraction (time inside
-the engine's generate/step calls over rollout time), and the tree statistics that must agree
-within noise: trajectories per prompt, branches per trajectory, tool calls per trajectory.
+process); reported: rollout seconds per step and per generated token (medians), the engine's busy
+fraction (time inside the engine's generate/step calls over rollout time), and the tree statistics
+that must agree within noise: trajectories per prompt, branches per trajectory, tool calls per
+trajectory. The two modes draw from different random streams, so a step's trajectories (and
+their lengths) differ between them: compare medians over several steps.
 
     python benchmarks/bench_async_rollout.py [--engine hf|vllm] [--latency 1.0] [--steps 3] [--quick]
 """
@@ -134,7 +136,8 @@ def run_mode(mode: str, spec: dict, step: int, serp_url: str) -> dict:
     return dict(mode=mode, step=step, rollout_s=wall, engine_busy=timer.busy / wall,
                 trajs_per_prompt=len(out) / P, branches_per_traj=m.get("rollout/branches", 0.0) / len(out),
                 tool_calls_per_traj=m.get("tools/calls_per_traj", 0.0), tool_executions=m.get("tools/calls", 0.0),
-                tokens_generated=m.get("rollout/tokens_generated", 0.0))
+                tokens_generated=m.get("rollout/tokens_generated", 0.0),
+                ms_per_token=1000 * wall / max(1.0, m.get("rollout/tokens_generated", 0.0)))
 
 
 def main(argv=None) -> None:
@@ -145,7 +148,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=None, help="HF folder (default: the quickstart's SFT model, else the tiny tool model)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--latency", type=float, default=1.0, help="median search latency, seconds (0 = none)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--tiny", action="store_true", help="the tool-calling tiny model (generation fast: latency dominates)")
     p.add_argument("--response_length", type=int, default=288)
     p.add_argument("--quick", action="store_true", help="tiny model, 2 prompts, 1 step, latency 0.2 s")
     p.add_argument("--out", default=None)
@@ -154,7 +158,7 @@ def main(argv=None) -> None:
         a.prompts, a.steps, a.latency, a.response_length = 2, 1, 0.2, 96
     model, data, dtype = a.model, str(ROOT / "rl_datasets" / "train.parquet"), "bfloat16"
     sft = ROOT / "outputs" / "quickstart" / "sft_model"
-    if model is None and not a.quick and (sft / "config.json").exists():
+    if model is None and not (a.quick or a.tiny) and (sft / "config.json").exists():
         model = str(sft)
     if model is None:   # the over-fitted tool model on its own prompt (fast, always calls tools)
         import tempfile
@@ -165,6 +169,7 @@ def main(argv=None) -> None:
         model = str(make_tool_model(make_tiny_model(tmp / "tiny", seed=0), tmp / "tool"))
         data, dtype = None, "float32"
     out_path = a.out or str(ROOT / "benchmarks" / "results" / f"async_rollout_{a.engine}.json")
+    label = "tiny tool model" if data is None else Path(model).name
     serp = SerpServer(a.latency)
     spec = dict(model=model, data=data, prompts=a.prompts, engine=a.engine, dtype=dtype,
                 response_length=a.response_length)
@@ -184,10 +189,10 @@ def main(argv=None) -> None:
         rs = [r for r in runs if r["mode"] == mode]
         rows.append({"mode": mode, **{k: statistics.median(r[k] for r in rs) for k in
                                       ("rollout_s", "engine_busy", "trajs_per_prompt", "branches_per_traj",
-                                       "tool_calls_per_traj", "tokens_generated")}})
+                                       "tool_calls_per_traj", "tokens_generated", "ms_per_token")}})
     sync, asyn = rows
     speedup = sync["rollout_s"] / asyn["rollout_s"]
-    print_table(rows, list(rows[0]), title=f"{a.engine} engine, {Path(model).name}, {a.prompts} prompts x n=4, "
+    print_table(rows, list(rows[0]), title=f"{a.engine} engine, {label}, {a.prompts} prompts x n=4, "
                                            f"search latency median {a.latency} s, {a.steps} steps, load "
                                            f"{os.getloadavg()[0]:.1f}")
     print(f"async speed-up: {speedup:.2f}x")

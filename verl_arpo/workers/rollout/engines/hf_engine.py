@@ -494,12 +494,21 @@ class HFEngine(ContinuousBatching, InferenceEngine):
         # statistics only for rows still inside their stats_window (the branch rule's window)
         in_window = [r.sp.stats_window is None or len(r.tokens) < r.sp.stats_window for r in rows]
         k = min(max((r.sp.logprobs_topk for r, w in zip(rows, in_window) if w), default=0), V)
-        top = logp.topk(k, dim=-1) if k > 0 else None
-        topv = top.values.tolist() if k > 0 else [[] for _ in rows]
-        topi = top.indices.tolist() if k > 0 else [[] for _ in rows]
-        if any(r.sp.full_entropy and w for r, w in zip(rows, in_window)):
-            p = logp.exp()
-            ent = (-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)).tolist()
+        # statistics for the rows inside their window only (under continuous batching rows join
+        # at any time, so most steps have a few such rows among many past their window)
+        win = [i for i, w in enumerate(in_window) if w]
+        topv, topi = [[] for _ in rows], [[] for _ in rows]
+        if k > 0 and win:
+            top = logp[win].topk(k, dim=-1)
+            for i, v, ix in zip(win, top.values.tolist(), top.indices.tolist()):
+                topv[i], topi[i] = v, ix
+        ent = [0.0] * len(rows)
+        ent_rows = [i for i in win if rows[i].sp.full_entropy]
+        if ent_rows:
+            lp = logp[ent_rows]
+            p = lp.exp()
+            for i, h in zip(ent_rows, (-torch.where(p > 0, p * lp, torch.zeros_like(p)).sum(-1)).tolist()):
+                ent[i] = h
         toks = tokens.tolist()
         for i, r in enumerate(rows):
             t = toks[i]
