@@ -140,7 +140,26 @@ def run_mode(mode: str, spec: dict, step: int, serp_url: str) -> dict:
                 ms_per_token=1000 * wall / max(1.0, m.get("rollout/tokens_generated", 0.0)))
 
 
+def serve(median_s: float) -> None:
+    """`bench_async_rollout.py serve <median_s>`: the SERP server in its own process (bm25s loads
+    numba, which must not be in the process that starts a vLLM engine); prints its URL."""
+    server = SerpServer(median_s)
+    print(server.url, flush=True)
+    threading.Event().wait()
+
+
+def start_server(median_s: float):
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, __file__, "serve", str(median_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    return proc, proc.stdout.readline().strip()
+
+
 def main(argv=None) -> None:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "serve":
+        return serve(float(sys.argv[2]))
     from bench_common import print_table, summary_entry, write_json
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -170,20 +189,20 @@ def main(argv=None) -> None:
         data, dtype = None, "float32"
     out_path = a.out or str(ROOT / "benchmarks" / "results" / f"async_rollout_{a.engine}.json")
     label = "tiny tool model" if data is None else Path(model).name
-    serp = SerpServer(a.latency)
+    server, url = start_server(a.latency)
     spec = dict(model=model, data=data, prompts=a.prompts, engine=a.engine, dtype=dtype,
                 response_length=a.response_length)
     runs = []
     try:
         for step in range(1, a.steps + 1):
             for mode in (("sync_with_tool", "async_with_tool") if step % 2 else ("async_with_tool", "sync_with_tool")):
-                runs.append(run_mode(mode, spec, step, serp.url))
+                runs.append(run_mode(mode, spec, step, url))
                 r = runs[-1]
                 print(f"step {step} {mode:<16} {r['rollout_s']:6.1f} s  engine busy {r['engine_busy']:.2f}  "
                       f"branches/traj {r['branches_per_traj']:.2f}  tool calls/traj {r['tool_calls_per_traj']:.2f}",
                       flush=True)
     finally:
-        serp.close()
+        server.kill()
     rows = []
     for mode in ("sync_with_tool", "async_with_tool"):
         rs = [r for r in runs if r["mode"] == mode]

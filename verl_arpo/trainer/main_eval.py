@@ -342,13 +342,13 @@ def build_loop(args, tokenizer, engine=None):
     from verl_arpo.workers.rollout.engines.base import build_engine
     from verl_arpo.workers.rollout.tools import ToolExecutor
 
-    executor = None if str(args.tools).lower() in ("none", "") else ToolExecutor.from_config(_resolve(args.tools))
-    call_limit = args.call_limit if args.call_limit is not None else (executor.call_limit if executor else 0)
-    if engine is None:
+    if engine is None:   # before the tools: bm25s loads numba, which breaks a vLLM 0.32 engine started after it
         kwargs = {"dtype": args.dtype, "seed": args.seed}
         if args.engine == "hf":
             kwargs["max_batch_size"] = args.max_batch_size
         engine = build_engine(args.engine, os.path.expanduser(args.model), tokenizer, **kwargs)
+    executor = None if str(args.tools).lower() in ("none", "") else ToolExecutor.from_config(_resolve(args.tools))
+    call_limit = args.call_limit if args.call_limit is not None else (executor.call_limit if executor else 0)
     cfg = RolloutConfig(n=args.k, response_length=args.max_response_length, temperature=args.temperature,
                         top_p=args.top_p, call_limit=call_limit, seed=args.seed, entropy_topk=1)
     return build_agent_loop(args.rollout_mode, engine, tokenizer, executor, cfg), executor

@@ -160,6 +160,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                  max_num_seqs=int(rcfg.max_num_seqs),
                                  max_num_batched_tokens=int(rcfg.max_num_batched_tokens))
         self.engine = build_engine(name, path, self.tokenizer, **engine_kwargs)
+        # tools after the engine: bm25s (local search) loads numba, and vLLM 0.32 fails to start after it
         self.tool_executor = ToolExecutor.from_config(rcfg.tools)
         call_limit = self.tool_executor.call_limit if self.tool_executor else 0
         # each rank draws from its own stream: seed + rank (the step enters inside the loop)

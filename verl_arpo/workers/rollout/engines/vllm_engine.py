@@ -140,15 +140,25 @@ class VLLMEngine(InferenceEngine):
                 logger.warning("VLLMEngine (CPU): max_num_batched_tokens=%s raised to max_model_len=%d (no "
                                "chunked prefill on CPU)", asked, longest)
             llm_kwargs["max_num_batched_tokens"] = max(int(asked or 8192), longest)
-        self.llm = vllm.LLM(
-            model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_model_parallel_size,
-            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=-1 if self.full_entropy else 64,
-            enable_sleep_mode=self.sleep_mode, **llm_kwargs)
+        import sys
+
+        try:
+            self.llm = vllm.LLM(
+                model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_model_parallel_size,
+                enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                logprobs_mode="processed_logprobs",
+                max_logprobs=-1 if self.full_entropy else 64,
+                enable_sleep_mode=self.sleep_mode, **llm_kwargs)
+        except AttributeError as e:
+            if "llvmlite" in sys.modules:   # vLLM 0.32 scans every loaded module for kernels at start
+                raise RuntimeError(
+                    "vLLM could not start because numba/llvmlite was imported earlier in this process "
+                    "(bm25s, used by LocalSearchTool, imports it): build the vLLM engine before the "
+                    f"tools, or in a process that has not loaded bm25s ({e})") from e
+            raise
         self.eos_token_ids = sorted({int(t) for t in (
             [self.tokenizer.eos_token_id] + _as_list(hf_cfg.eos_token_id)) if t is not None})
         self._warned_truncation = False
