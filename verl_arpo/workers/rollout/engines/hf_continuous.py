@@ -5,10 +5,11 @@ whenever a trajectory is ready to generate (a tool result came back, a branch wa
 each request back as soon as it finishes, while the others keep decoding. `step()` does one
 decode step for everything running:
 
-1. admit: queued requests (up to `max_batch_size` rows in all) are prefilled on their own (from
-   their cached KV when they continue a trajectory or branch from one, exactly as in `generate`)
-   and merged into the running batch: both caches are left-padded to a common length and stacked
-   (padding in the middle of a row is masked, RoPE positions are per row, as in `generate`);
+1. admit: queued requests (up to `max_batch_size` rows in all; `ADMIT_AFTER_STEPS` says when)
+   are prefilled on their own (from their cached KV when they continue a trajectory or branch
+   from one, exactly as in `generate`) and merged into the running batch: both caches are
+   left-padded to a common length and stacked (padding in the middle of a row is masked, RoPE
+   positions are per row, as in `generate`);
 2. sample one token per running row from the logits of the previous forward;
 3. retire: finished rows have their KV stored under their request id (the next round of that
    trajectory, or a branch of it, prefills only its new tokens) and are returned;
@@ -32,11 +33,18 @@ from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest
 class ContinuousBatching:
     """Mixin for HFEngine: `add_requests`, `step`, `has_unfinished`."""
 
+    # A waiting row joins at once when nothing runs or when enough rows wait (a quarter of the
+    # running ones); otherwise after at most this many decode steps. Each admission is a prefill
+    # forward plus a copy of the running cache, so admitting rows one by one costs more than it
+    # saves when tool results trickle in.
+    ADMIT_AFTER_STEPS = 4
+
     def _init_continuous(self) -> None:
         self._waiting: list = []        # _Rows not yet prefilled
         self._running = None            # _Batch decoding now
         self._logits = None             # its rows' next-token logits
         self._finished: list = []       # rows finished before they ran (zero budget)
+        self._waited = 0                # decode steps the oldest waiting row has waited
 
     def add_requests(self, requests) -> None:
         if not self.reuse_kv:   # caches that cannot be stitched per row: one generate per step
@@ -77,6 +85,10 @@ class ContinuousBatching:
         room = self.max_batch_size - running
         if not self._waiting or room <= 0:
             return
+        if running and 4 * len(self._waiting) < running and self._waited < self.ADMIT_AFTER_STEPS:
+            self._waited += 1
+            return
+        self._waited = 0
         rows, self._waiting = self._waiting[:room], self._waiting[room:]
         self._share_prefix([r for r in rows if r.past is None])
         batch, logits = self._prefill_rows(rows)
