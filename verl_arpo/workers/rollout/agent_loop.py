@@ -169,22 +169,9 @@ class AgentLoop:
 
     # ---------------------------------------------------------------------------------------
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        cfg, meta = self.cfg, prompts.meta_info
-        validate = bool(meta.get("validate", False))
-        rng = np.random.default_rng([cfg.seed, int(meta.get("global_steps", 0)), int(validate)])
-        n, rule, sampling = self._mode(validate, meta)
-        prompt_ids = self._unpad_prompts(prompts)
-        self._ids = defaultdict(int)
-        self._stats: dict[str, float] = defaultdict(float)
-        self._round_entropy: dict[int, list[float]] = defaultdict(list)
-        t0 = time.time()
-
+        cfg, t0 = self.cfg, time.time()
         # 1. budget: m0 per prompt, or AEPO's entropy pre-monitoring
-        if rule != "none" and cfg.enable_dynamic_rollouts:
-            budgets = self._pre_monitor(prompt_ids, sampling, rng, n)
-        else:
-            budgets = [branching.initial_rollout_count(n, cfg.initial_rollouts if rule != "none" else n)] * len(prompt_ids)
-        groups = [[self._new_traj(i, ids) for _ in range(m)] for i, (ids, m) in enumerate(zip(prompt_ids, budgets))]
+        validate, n, rule, sampling, prompt_ids, rng, groups = self._begin(prompts)
 
         # 2–5. rounds until every trajectory is done (or max_rounds)
         consecutive = [0] * len(groups)  # AEPO c_i
@@ -211,12 +198,36 @@ class AgentLoop:
             for t in g:
                 if not t.done:
                     t.done, t.finish_reason = True, "max_rounds"
+        self._stats["rollout/rounds"] = round_idx
+        return self._finish(prompts, groups, n, t0)
+
+    def _begin(self, prompts: DataProto):
+        """What both rollout modes do first: sampling mode, unpadded prompts, fresh counters and
+        step 1 (the budget). Returns (validate, n, rule, sampling, prompt_ids, rng, groups)."""
+        cfg, meta = self.cfg, prompts.meta_info
+        validate = bool(meta.get("validate", False))
+        self._key = [cfg.seed, int(meta.get("global_steps", 0)), int(validate)]
+        rng = np.random.default_rng(self._key)
+        n, rule, sampling = self._mode(validate, meta)
+        prompt_ids = self._unpad_prompts(prompts)
+        self._ids = defaultdict(int)
+        self._stats: dict[str, float] = defaultdict(float)
+        self._round_entropy: dict[int, list[float]] = defaultdict(list)
+        if rule != "none" and cfg.enable_dynamic_rollouts:
+            budgets = self._pre_monitor(prompt_ids, sampling, rng, n)
+        else:
+            budgets = [branching.initial_rollout_count(n, cfg.initial_rollouts if rule != "none" else n)] * len(prompt_ids)
+        groups = [[self._new_traj(i, ids) for _ in range(m)] for i, (ids, m) in enumerate(zip(prompt_ids, budgets))]
+        return validate, n, rule, sampling, prompt_ids, rng, groups
+
+    def _finish(self, prompts: DataProto, groups: list[list[Trajectory]], n: int, t0: float) -> DataProto:
+        """Step 6 for both modes: a prompt still short of n duplicates its last trajectory."""
+        for g in groups:
             while len(g) < n:
                 g.append(g[-1].branch(self._next_id(g[-1].prompt_idx)))
                 self._stats["rollout/duplicates"] += 1
         self.engine.release()
         self._stats["timing_s/rollout"] = time.time() - t0
-        self._stats["rollout/rounds"] = round_idx
         return self._to_dataproto(prompts, groups)
 
     # ---------------------------------------------------------------------------------------

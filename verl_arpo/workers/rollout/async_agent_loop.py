@@ -32,7 +32,6 @@ import queue
 import re
 import time
 import zlib
-from collections import defaultdict
 
 import numpy as np
 
@@ -47,22 +46,9 @@ class AsyncAgentLoop(AgentLoop):
     """AgentLoop without round barriers: trajectories, tools and branches advance independently."""
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        cfg, meta = self.cfg, prompts.meta_info
-        validate = bool(meta.get("validate", False))
-        self._key = [cfg.seed, int(meta.get("global_steps", 0)), int(validate)]
-        n, rule, sampling = self._mode(validate, meta)
-        prompt_ids = self._unpad_prompts(prompts)
-        self._ids = defaultdict(int)
-        self._stats: dict[str, float] = defaultdict(float)
-        self._round_entropy: dict[int, list[float]] = defaultdict(list)
-        t0 = time.time()
-
-        # 1. budget (AEPO's pre-monitoring is a measurement before the rollout: sync rounds)
-        if rule != "none" and cfg.enable_dynamic_rollouts:
-            budgets = self._pre_monitor(prompt_ids, sampling, np.random.default_rng(self._key), n)
-        else:
-            budgets = [branching.initial_rollout_count(n, cfg.initial_rollouts if rule != "none" else n)] * len(prompt_ids)
-        groups = [[self._new_traj(i, ids) for _ in range(m)] for i, (ids, m) in enumerate(zip(prompt_ids, budgets))]
+        cfg, t0 = self.cfg, time.time()
+        # 1. budget, as in sync mode (AEPO's pre-monitoring is a measurement before the rollout: sync rounds)
+        validate, n, rule, sampling, prompt_ids, _, groups = self._begin(prompts)
         consecutive = [0] * len(groups)  # AEPO c_i, per prompt, counted over its branching decisions
         by_id: dict[str, Trajectory] = {}
         results: queue.SimpleQueue = queue.SimpleQueue()  # (trajectory, tag, content, ToolResult | None)
@@ -115,15 +101,10 @@ class AsyncAgentLoop(AgentLoop):
         # 6. exactly n per prompt (as in sync mode), in trajectory-id order (completion order is timing)
         for g in groups:
             g.sort(key=lambda t: _natural(t.traj_id))
-            while len(g) < n:
-                g.append(g[-1].branch(self._next_id(g[-1].prompt_idx)))
-                self._stats["rollout/duplicates"] += 1
-        self.engine.release()
         wall = time.time() - t0
-        self._stats["timing_s/rollout"] = wall
         self._stats["rollout/engine_busy_fraction"] = engine_busy / wall if wall > 0 else 0.0
         self._stats["rollout/rounds"] = max((len(t.round_entropies) for g in groups for t in g), default=0)
-        return self._to_dataproto(prompts, groups)
+        return self._finish(prompts, groups, n, t0)
 
     # ---------------------------------------------------------------------------------------
     def _stream(self, t: Trajectory, purpose: int) -> np.random.Generator:
