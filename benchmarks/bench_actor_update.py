@@ -165,11 +165,9 @@ def main(argv=None) -> None:
         a.rows, a.steps = 8, 1
     model = a.model
     if model is None:
-        from verl_arpo.utils.model_prep import default_model_dir, is_prepared
+        from bench_common import smollm2_dir
 
-        model = str(default_model_dir())
-        if not is_prepared(Path(model)):
-            subprocess.run([sys.executable, "-m", "verl_arpo.utils.model_prep"], check=True)
+        model = smollm2_dir()
     cases = CASES if a.cases == "all" else [CASES[int(i) - 1] for i in a.cases.split(",")]
     rows = []
     for label, who, precision, ckpt, packing in cases:

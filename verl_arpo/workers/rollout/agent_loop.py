@@ -186,11 +186,7 @@ class AgentLoop:
             gained = [g or self._refill(groups[i], prompt_ids[i], n) for i, g in enumerate(gained)]
             consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
             round_idx += 1
-            trajs = [t for g in groups for t in g]
-            progress(lambda: f"round {round_idx}: {sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
-                             f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
-                             f"{int(self._stats['rollout/tokens_generated'])} tokens generated",
-                     force=all(t.done for t in trajs))
+            progress(lambda: f"round {round_idx}: {self._counts(groups)}", force=all(t.done for g in groups for t in g))
 
         # 6. exactly n per prompt: cut a round-capped run, duplicate the last one if short
         for g in groups:
@@ -200,6 +196,13 @@ class AgentLoop:
                     t.done, t.finish_reason = True, "max_rounds"
         self._stats["rollout/rounds"] = round_idx
         return self._finish(prompts, groups, n, t0)
+
+    def _counts(self, groups: list[list[Trajectory]]) -> str:
+        """The progress line's counts (both modes)."""
+        trajs = [t for g in groups for t in g]
+        return (f"{sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
+                f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
+                f"{int(self._stats['rollout/tokens_generated'])} tokens generated")
 
     def _begin(self, prompts: DataProto):
         """What both rollout modes do first: sampling mode, unpadded prompts, fresh counters and

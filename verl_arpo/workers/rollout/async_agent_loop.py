@@ -92,11 +92,7 @@ class AsyncAgentLoop(AgentLoop):
                     finished(t)
                     continue
                 start([t, *self._branch_one(t, groups[t.prompt_idx], rule, consecutive, n)])
-            trajs = [t for g in groups for t in g]
-            progress(lambda: f"{sum(t.done for t in trajs)}/{len(trajs)} trajectories finished, "
-                             f"{sum(t.num_tool_calls for t in trajs)} tool calls, "
-                             f"{int(self._stats['rollout/tokens_generated'])} tokens generated",
-                     force=all(t.done for t in trajs))
+            progress(lambda: self._counts(groups), force=all(t.done for g in groups for t in g))
 
         # 6. exactly n per prompt (as in sync mode), in trajectory-id order (completion order is timing)
         for g in groups:

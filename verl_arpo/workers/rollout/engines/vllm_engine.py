@@ -194,6 +194,12 @@ class VLLMEngine(InferenceEngine):
             # logprobs=0 still returns the sampled token's log-prob; -1 returns the whole vocab.
             logprobs=-1 if want_entropy else (max(int(sp.logprobs_topk), 0) if stats else 0))
 
+    def _rest_params(self, req: GenRequest, done: int):
+        """The second call of a round: the tokens left after the statistics window, no statistics,
+        a seed of its own."""
+        seed = None if req.seed is None else (req.seed + 1) % 2**31
+        return self._params(req, req.max_new_tokens - done, stats=False, seed=seed)
+
     def _run(self, prompts: list[list[int]], params: list) -> list:
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0] for o in outs]
@@ -211,8 +217,7 @@ class VLLMEngine(InferenceEngine):
                 if h is not None and by_req[id(r)].finish_reason == "length" and len(by_req[id(r)].token_ids) == h]
         if cont:
             rest = self._run([r.prompt_ids + o.token_ids for r, o in cont],
-                             [self._params(r, r.max_new_tokens - len(o.token_ids), stats=False,
-                                           seed=None if r.seed is None else (r.seed + 1) % 2**31) for r, o in cont])
+                             [self._rest_params(r, len(o.token_ids)) for r, o in cont])
             for (r, head), c in zip(cont, rest):
                 by_req[id(r)] = join_calls(self.tokenizer, r.stop, head, self._convert(r, c, stats=False))
         return [by_req[id(r)] if id(r) in by_req else self._empty(r) for r in requests]
@@ -253,9 +258,7 @@ class VLLMEngine(InferenceEngine):
                 out = self._convert(r, o.outputs[0])
                 if head is not None and out.finish_reason == "length" and len(out.token_ids) == head:
                     # the rest of the round, past its statistics window (see `generate`)
-                    seed = None if r.seed is None else (r.seed + 1) % 2**31
-                    self._submit(r, r.prompt_ids + out.token_ids,
-                                 self._params(r, r.max_new_tokens - head, stats=False, seed=seed), head, out)
+                    self._submit(r, r.prompt_ids + out.token_ids, self._rest_params(r, head), head, out)
                     continue
             else:
                 out = join_calls(self.tokenizer, r.stop, first, self._convert(r, o.outputs[0], stats=False))
