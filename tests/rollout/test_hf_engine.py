@@ -357,3 +357,35 @@ def test_requests_at_any_time_match_generate(model, tiny_tokenizer, prompts):
     assert eng.stats["reused_tokens"] == 2 * (len(prompts[0]) + len(got["a"].token_ids) - 1)
     for r, w in zip(nxt, want2):
         assert got2[r.request_id].token_ids == w.token_ids
+
+
+def test_discard_weights_frees_them_and_a_full_sync_refills(tiny_model_dir, tiny_tokenizer, prompts):
+    """discard_weights (free_cache_engine's hf counterpart of vLLM's sleep level 2) leaves no weight
+    storage; generating then fails clearly; a sync missing a parameter is refused; a full sync
+    gives back the same outputs, with the tied embedding still one tensor and buffers untouched."""
+    eng = HFEngine(tiny_model_dir, tiny_tokenizer)
+    before = eng.generate([req("a", prompts[0], 8)])[0]
+    weights = {n: p.detach().clone() for n, p in eng.model.named_parameters()}   # unique names, as the actor's sync
+    buffers = {n: b.clone() for n, b in eng.model.named_buffers()}
+    assert eng.model.get_output_embeddings().weight is eng.model.get_input_embeddings().weight
+    assert eng.discard_weights() and eng.weights_discarded
+    assert sum(p.numel() for p in eng.model.parameters()) == 0 and eng.cached_tokens() == 0
+    with pytest.raises(RuntimeError, match="discarded"):
+        eng.generate([req("a", prompts[0], 8)])
+    with pytest.raises(RuntimeError, match="discarded"):
+        eng.add_requests([req("a", prompts[0], 8)])
+    first = next(iter(weights))
+    with pytest.raises(ValueError, match=f"must carry every parameter; missing 1, e.g. \\['{first}'\\]"):
+        eng.update_weights((n, w) for n, w in weights.items() if n != first)
+    eng.update_weights(weights.items())
+    assert not eng.weights_discarded
+    assert eng.model.get_output_embeddings().weight is eng.model.get_input_embeddings().weight
+    for n, b in eng.model.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+    after = eng.generate([req("a", prompts[0], 8)])[0]
+    assert after.token_ids == before.token_ids   # equal weights; float sums may round apart at 1e-7 (alignment)
+    assert after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+    # a module handed in may be the trainer's own: it is never discarded
+    shared = HFEngine(eng.model, tiny_tokenizer)
+    assert not shared.discard_weights() and not shared.weights_discarded
+    assert sum(p.numel() for p in eng.model.parameters()) == sum(w.numel() for w in weights.values())

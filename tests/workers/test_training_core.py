@@ -158,3 +158,47 @@ def test_host_memory_peak_is_per_window_and_reduced_by_max():
     assert next_peak - used < 0.1, (next_peak, used)
     got = reduce_metrics({"perf/cpu_memory_peak_gb": [2.0, 3.5], "perf/cpu_memory_used_gb": [2.0, 3.0]})
     assert got == {"perf/cpu_memory_peak_gb": 3.5, "perf/cpu_memory_used_gb": 2.5}
+
+
+_PHASES = r'''
+import json
+import torch
+from verl_arpo.workers.training_core import HOST_MEMORY, memory_metrics
+cpu = torch.device("cpu")
+memory_metrics(cpu)                           # a fresh window
+with HOST_MEMORY.phase("update"):
+    a = torch.ones(256 * 2**20 // 4); del a   # 256 MiB in the outer phase only
+    for _ in range(2):                        # a phase entered twice: largest peak, first entry
+        with HOST_MEMORY.phase("update/backward"):
+            b = torch.ones(512 * 2**20 // 4); del b
+    c = torch.ones(128 * 2**20 // 4); del c
+with HOST_MEMORY.phase("weight_sync"):
+    pass
+m = memory_metrics(cpu)
+print(json.dumps(m))
+print(json.dumps(memory_metrics(cpu)))       # nothing closed since: no phase keys
+'''
+
+
+def test_host_memory_phases_nest_and_keep_the_window_peak():
+    """Each phase's peak − entry is what it allocated (512 MiB inside update/backward; the 256 MiB of
+    the outer phase before it does not count there), the outer phase sees its own and its inner
+    phases' allocations, and the per-phase resets do not hide anything from the window peak."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PHASES], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = (json.loads(line) for line in out.stdout.split("\n")[:2])
+    gib = 1 / 1024
+
+    def grew(phase):
+        return first[f"perf/cpu_memory_peak_gb/{phase}"] - first[f"perf/cpu_memory_entry_gb/{phase}"]
+
+    assert 500 * gib < grew("update/backward") < 560 * gib, first
+    assert 500 * gib < grew("update") < 560 * gib, first      # the largest of 256, 512, 128 MiB
+    assert grew("weight_sync") < 40 * gib, first
+    assert first["perf/cpu_memory_peak_gb"] >= first["perf/cpu_memory_peak_gb/update/backward"]
+    assert first["perf/cpu_memory_peak_gb"] - first["perf/cpu_memory_used_gb"] > 450 * gib
+    assert not any(k.count("/") > 1 or "entry" in k for k in second), second

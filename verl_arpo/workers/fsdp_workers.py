@@ -26,6 +26,7 @@ from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name, set_local_device
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
 from verl_arpo.workers.training_core import (
+    HOST_MEMORY,
     attn_implementation,
     build_adamw,
     build_lr_scheduler,
@@ -208,7 +209,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             del w
 
     def _sync_rollout_weights(self):
-        with torch.no_grad():
+        with torch.no_grad(), HOST_MEMORY.phase("weight_sync"):
             plan = self._weight_plan()
             self.engine.check_weight_names([name for name, _, _ in plan])
             self.engine.update_weights(self._full_named_params(plan, getattr(self.engine, "weight_dtype", None)))
@@ -219,10 +220,13 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self.engine.wake()
-        out = self.agent_loop.generate_sequences(prompts)
-        if self.config.rollout.free_cache_engine:  # free the KV cache (vLLM) / weights (hf) for training
-            self.engine.sleep()
+        if self.engine.weights_discarded:  # an update without its sync (the trainer always syncs)
+            self._sync_rollout_weights()
+        with HOST_MEMORY.phase("rollout"):
+            self.engine.wake()
+            out = self.agent_loop.generate_sequences(prompts)
+            if self.config.rollout.free_cache_engine:  # free the KV cache (vLLM) / weights (hf) for training
+                self.engine.sleep()
         release_host_memory()
         return out
 
@@ -236,7 +240,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data = self._log_prob_meta(data, self.config.rollout)
-        log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
+        with HOST_MEMORY.phase("log_prob"):
+            log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
         maybe_reshard(self.actor_module)
         release_host_memory()
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
@@ -261,8 +266,13 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         offload = bool(self.config.actor.fsdp_config.optimizer_offload)  # a no-op on the CPU, same path
         if offload:  # the moments go where their parameters are (the host too, under param_offload)
             move_optimizer_state(self.actor_optimizer, None)
+        if self.config.rollout.free_cache_engine:
+            # the sync after the update overwrites every engine weight: they need no memory meanwhile
+            if self.engine.discard_weights():
+                release_host_memory()  # hand the freed weights to the OS, not only to malloc
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this update uses
-        metrics = self.actor.update_policy(data)
+        with HOST_MEMORY.phase("update"):
+            metrics = self.actor.update_policy(data)
         if offload:  # keep the moments on the host while rollout and log-probs need the memory
             move_optimizer_state(self.actor_optimizer, torch.device("cpu"))
         self.lr_scheduler.step()

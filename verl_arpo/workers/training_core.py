@@ -28,6 +28,7 @@ whose position_ids do not run 0..L−1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -41,7 +42,7 @@ from verl_arpo.utils.job_config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "memory_metrics", "warn_if_dense_packing",
+__all__ = ["attn_implementation", "load_causal_lm", "init_sharded_model", "to_device", "module_device", "memory_metrics", "HOST_MEMORY", "warn_if_dense_packing",
            "release_host_memory", "shard_fsdp2", "fsdp_mixed_precision", "build_adamw", "build_lr_scheduler",
            "move_optimizer_state", "clip_grad_and_step", "maybe_reshard", "response_forward", "unpack",
            "packing_supported", "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
@@ -132,26 +133,105 @@ def to_device(micro, device: torch.device):
     return micro if device.type == "cpu" else micro.to(device, non_blocking=True)
 
 
+def _read_hwm() -> int | None:
+    """This process's resident high-water mark in bytes (VmHWM); None where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_hwm() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the resident high-water mark to the current RSS
+    except OSError:  # a kernel or sandbox without the reset: peaks then run from the process start
+        pass
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+class HostMemoryPhases:
+    """Resident host memory per named phase of a worker (docs/gpu.md, "Host memory").
+
+    The kernel keeps one high-water mark per process (VmHWM), which /proc/self/clear_refs resets to the
+    current RSS. At every phase boundary the mark is read, folded into the running peak of each open
+    phase (phases nest: "update" holds "update/backward") and of the window that `memory_metrics`
+    reports, then reset. A phase reports its resident memory at entry and its peak; peak − entry is
+    what the phase itself allocates. One instance per process: `HOST_MEMORY`.
+    """
+
+    def __init__(self) -> None:
+        self._open: list[str] = []
+        self.entry: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.window_peak = 0
+
+    def _fold(self) -> None:
+        hwm = _read_hwm()
+        if hwm is None:
+            return
+        self.window_peak = max(self.window_peak, hwm)
+        for name in self._open:
+            self.peak[name] = max(self.peak.get(name, 0), hwm)
+        _reset_hwm()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """The span of `name`; repeated spans of one name (micro-batches) keep the first entry and the
+        largest peak until `metrics()` hands them out."""
+        self._fold()  # what came before belongs to the phases already open
+        rss = _rss()
+        if rss is not None:
+            self.entry.setdefault(name, rss)
+        self._open.append(name)
+        try:
+            yield
+        finally:
+            self._fold()
+            self._open.remove(name)
+
+    def metrics(self) -> dict[str, float]:
+        """perf/cpu_memory_peak_gb/<phase> and perf/cpu_memory_entry_gb/<phase> of every phase closed
+        since the last call (then forgotten)."""
+        done = [n for n in self.peak if n not in self._open]
+        out = {f"perf/cpu_memory_peak_gb/{n}": self.peak.pop(n) / 2**30 for n in done}
+        out.update({f"perf/cpu_memory_entry_gb/{n}": self.entry.pop(n) / 2**30 for n in done if n in self.entry})
+        return out
+
+    def take_window_peak(self) -> int | None:
+        """The resident peak since the last call (then a new window starts); None without /proc."""
+        self._fold()
+        peak, self.window_peak = self.window_peak, 0
+        return peak or None
+
+
+HOST_MEMORY = HostMemoryPhases()
+
+
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """verl's memory metrics of this worker: perf/max_memory_allocated_gb and perf/max_memory_reserved_gb
     (device peaks since the last call, which resets them; CUDA only), perf/cpu_memory_used_gb (this
     process's resident host memory now) and perf/cpu_memory_peak_gb (its resident peak since the last
-    call: the kernel's VmHWM, reset through /proc/self/clear_refs; Linux only)."""
+    call; Linux only), plus the per-phase host peaks of `HOST_MEMORY` closed since the last call."""
     out = {}
     if device.type == "cuda":
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
-    try:
-        with open("/proc/self/statm") as f:
-            out["perf/cpu_memory_used_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-        with open("/proc/self/status") as f:
-            hwm = next(line for line in f if line.startswith("VmHWM:"))
-        out["perf/cpu_memory_peak_gb"] = int(hwm.split()[1]) / 2**20  # kB
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # "5" resets the resident high-water mark to the current RSS
-    except (OSError, StopIteration):  # not Linux, or a kernel without the reset
-        pass
+    rss, peak = _rss(), HOST_MEMORY.take_window_peak()
+    if rss is not None:
+        out["perf/cpu_memory_used_gb"] = rss / 2**30
+    if peak is not None:
+        out["perf/cpu_memory_peak_gb"] = peak / 2**30
+    out.update(HOST_MEMORY.metrics())
     return out
 
 

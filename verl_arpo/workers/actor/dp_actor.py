@@ -46,9 +46,9 @@ from verl_arpo.utils.torch_functional import (
     logprobs_from_logits,
 )
 from verl_arpo.utils.progress import Progress
-from verl_arpo.workers.training_core import (TokenWeightedMeans, clip_grad_and_step, global_loss_counts, maybe_reshard,
-                                             module_device, packing_supported, response_forward, to_device, unpack,
-                                             warn_if_dense_packing, warn_once)
+from verl_arpo.workers.training_core import (HOST_MEMORY, TokenWeightedMeans, clip_grad_and_step, global_loss_counts,
+                                             maybe_reshard, module_device, packing_supported, release_host_memory,
+                                             response_forward, to_device, unpack, warn_if_dense_packing, warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 
@@ -267,15 +267,20 @@ class DataParallelPPOActor:
                     progress(lambda: f"epoch {epoch + 1}/{c.ppo_epochs}, mini-batch {mini_idx + 1}/{len(minis)}, "
                                      f"micro-batch {micro_idx + 1}/{len(micro_batches)}")
                     micro = to_device(micro, self.device)
-                    loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
+                    with HOST_MEMORY.phase("update/forward"):
+                        loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
                     non_finite_losses += not math.isfinite(loss.item())
-                    loss.backward()
+                    with HOST_MEMORY.phase("update/backward"):
+                        loss.backward()
+                    # the freed activations go back to the OS, not only to malloc: left in its heap
+                    # they set the next micro-batches' resident peak (docs/gpu.md, "Host memory")
+                    release_host_memory()
                     sums["pg_loss"] += stats.pop("pg_loss")
                     if "kl_loss" in stats:
                         sums["kl_loss"] += stats.pop("kl_loss")
                     means.add(micro["response_mask"].sum().item(), **stats)
-                grad_norm = clip_grad_and_step(self.actor_module, self.actor_optimizer,
-                                               c.grad_clip, "actor")
+                with HOST_MEMORY.phase("update/optimizer"):
+                    grad_norm = clip_grad_and_step(self.actor_module, self.actor_optimizer, c.grad_clip, "actor")
                 for k, v in {**sums, **means.means()}.items():
                     metrics[k if "/" in k else f"actor/{k}"].append(v)  # mismatch/* keep their prefix
                 metrics["actor/grad_norm"].append(grad_norm)

@@ -168,6 +168,17 @@ class InferenceEngine(ABC):
     def wake(self) -> None:
         """Undo `sleep` before the next `generate` (optional)."""
 
+    def discard_weights(self) -> bool:
+        """Free the weights until the next `update_weights` refills them all (vLLM's sleep level 2):
+        the hybrid engine's update overwrites them anyway (docs/gpu.md, "Host memory"). Returns
+        whether they were freed; engines that cannot (the default) keep them and return False."""
+        return False
+
+    @property
+    def weights_discarded(self) -> bool:
+        """True between `discard_weights` and the `update_weights` that refills them."""
+        return False
+
 
 def build_engine(name: str, model_path_or_module, tokenizer, **cfg) -> InferenceEngine:
     """Build the engine selected by `actor_rollout_ref.rollout.name` ("hf" or "vllm").

@@ -47,6 +47,7 @@ class ContinuousBatching:
         self._waited = 0                # decode steps the oldest waiting row has waited
 
     def add_requests(self, requests) -> None:
+        self._check_weights()
         if not self.reuse_kv:   # caches that cannot be stitched per row: one generate per step
             return super().add_requests(requests)
         for req in requests:

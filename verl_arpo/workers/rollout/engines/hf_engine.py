@@ -63,6 +63,7 @@ from verl_arpo.workers.rollout.engines.base import (
     common_prefix_len,
 )
 from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousBatching
+from verl_arpo.workers.rollout.engines.hf_weights import EngineWeights
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class _StopChecker:
         return min(hits)[1] if hits else None
 
 
-class HFEngine(ContinuousBatching, InferenceEngine):
+class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
     """Batched generation on a transformers causal LM with a per-trajectory persistent KV cache.
 
     Args:
@@ -173,7 +174,9 @@ class HFEngine(ContinuousBatching, InferenceEngine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(model_or_path, torch.nn.Module):
+        # a module handed in may be the trainer's own: never discard its weights
+        self._owns_weights = not isinstance(model_or_path, torch.nn.Module)
+        if not self._owns_weights:
             self.model = model_or_path
         else:
             if dtype not in _DTYPES:
@@ -196,6 +199,7 @@ class HFEngine(ContinuousBatching, InferenceEngine):
         self._n_cached = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._asleep = False
+        self._discarded: dict[torch.nn.Parameter, torch.Size] = {}   # freed by discard_weights
         self.reuse_kv = bool(kv_cache)
         self.share_prefix = bool(share_prefix)
         if kv_cache and (why := _why_no_kv_reuse(self.model)):
@@ -225,53 +229,9 @@ class HFEngine(ContinuousBatching, InferenceEngine):
                 self._store.pop(rid, None)
         self._n_cached = sum(len(kv.tokens) for kv in self._store.values())
 
-    def sleep(self) -> None:
-        """Drop the KV store; on an accelerator also move the weights to CPU."""
-        self.release()
-        if self.device.type != "cpu" and not self._asleep:
-            self.model.to("cpu")
-            self._asleep = True
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # hand the freed blocks back, as vLLM's sleep does
-
-    def wake(self) -> None:
-        if self._asleep:
-            self.model.to(self.device)
-            self._asleep = False
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype the engine computes in: a sync casts each gathered parameter to it first."""
-        return next(self.model.parameters()).dtype
-
-    def check_weight_names(self, names) -> None:
-        state = self.model.state_dict(keep_vars=True)
-        unknown = [n for n in names if n not in state]
-        if unknown:
-            raise KeyError(f"update_weights: {len(unknown)} unknown parameter name(s), e.g. "
-                           f"{unknown[:5]}; expected HF names such as {list(state)[:3]}")
-
-    @torch.no_grad()
-    def update_weights(self, named_tensors) -> None:
-        """Copy (HF name, tensor) pairs into the model in place, one at a time, then drop all cached KV.
-
-        Every name must be one of the model's `state_dict()` keys and shapes must match; a wrong
-        pair raises before it is copied (`check_weight_names` first keeps a wrong sync from
-        copying anything). The weights are woken onto the device first, so the copy runs there."""
-        self.wake()
-        state = self.model.state_dict(keep_vars=True)
-        for n, t in named_tensors:
-            if n not in state:
-                self.check_weight_names([n])
-            if tuple(t.shape) != tuple(state[n].shape):
-                raise ValueError(f"update_weights: shape mismatch for {n}: given {tuple(t.shape)}, "
-                                 f"expected {tuple(state[n].shape)}")
-            state[n].data.copy_(t.detach())   # copy_ converts dtype and device
-            del t
-        self.release()
-
     @torch.no_grad()
     def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        self._check_weights()
         was_training = self.model.training   # a module shared with the trainer may be in train()
         self.model.eval()
         try:
