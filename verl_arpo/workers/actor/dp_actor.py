@@ -47,8 +47,7 @@ from verl_arpo.utils.torch_functional import (
 )
 from verl_arpo.utils.progress import Progress
 from verl_arpo.workers.training_core import (HOST_MEMORY, TokenWeightedMeans, clip_grad_and_step, global_loss_counts,
-                                             maybe_reshard, module_device, packing_supported, release_host_memory,
-                                             response_forward, to_device, unpack, warn_if_dense_packing, warn_once)
+                                             maybe_reshard, module_device, packing_supported, response_forward, to_device, unpack, warn_if_dense_packing, warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 
@@ -272,9 +271,6 @@ class DataParallelPPOActor:
                     non_finite_losses += not math.isfinite(loss.item())
                     with HOST_MEMORY.phase("update/backward"):
                         loss.backward()
-                    # the freed activations go back to the OS, not only to malloc: left in its heap
-                    # they set the next micro-batches' resident peak (docs/gpu.md, "Host memory")
-                    release_host_memory()
                     sums["pg_loss"] += stats.pop("pg_loss")
                     if "kl_loss" in stats:
                         sums["kl_loss"] += stats.pop("kl_loss")
