@@ -47,7 +47,8 @@ from verl_arpo.utils.torch_functional import (
 )
 from verl_arpo.utils.progress import Progress
 from verl_arpo.workers.training_core import (HOST_MEMORY, TokenWeightedMeans, clip_grad_and_step, global_loss_counts,
-                                             maybe_reshard, module_device, packing_supported, response_forward, to_device, unpack, warn_if_dense_packing, warn_once)
+                                             maybe_reshard, module_device, packing_supported, response_forward, to_device,
+                                             unpack, warn_if_dense_packing, warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 
