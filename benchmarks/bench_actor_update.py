@@ -117,7 +117,11 @@ def child(spec: dict) -> dict:
         step()
         if i >= 1:
             times.append(time.perf_counter() - t)
-    peak = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    from verl_arpo.workers.training_core import HOST_MEMORY
+
+    # the process's peak since start: our update resets the kernel's VmHWM at its phase
+    # boundaries, HOST_MEMORY's window keeps what each reset saw
+    peak = HOST_MEMORY.take_window_peak()
     return dict(tokens=tokens, step_s=statistics.median(times), tok_per_s=tokens / statistics.median(times),
                 peak_rss_mib=peak / 2**20)
 

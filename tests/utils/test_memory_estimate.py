@@ -62,10 +62,9 @@ import transformers, peft  # noqa: F401  imports are not the job's memory
 from verl_arpo.protocol import DataProto
 from verl_arpo.utils.job_config import OptimConfig
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
-from verl_arpo.workers.training_core import build_adamw, init_sharded_model, load_causal_lm, shard_fsdp2
+from verl_arpo.workers.training_core import HOST_MEMORY, build_adamw, init_sharded_model, load_causal_lm, shard_fsdp2
 model_dir, B, P, R = sys.argv[1], 4, 64, 192
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
+HOST_MEMORY.take_window_peak()   # a fresh window: the update resets VmHWM at its phase boundaries, the window does not lose them
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()
@@ -82,7 +81,7 @@ data = DataProto.from_dict(tensors=dict(input_ids=ids, attention_mask=attn, posi
     old_log_probs=-torch.rand(B, R, generator=g)), meta_info={"temperature": 1.0})
 actor = DataParallelPPOActor(dict(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B), model, opt)
 actor.update_policy(data)
-peak = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+peak = HOST_MEMORY.take_window_peak()
 print(json.dumps(dict(growth=peak - before, tokens=B * (P + R), response_fraction=R / (P + R))))
 dist.destroy_process_group()
 '''

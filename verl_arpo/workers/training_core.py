@@ -165,7 +165,8 @@ class HostMemoryPhases:
     current RSS. At every phase boundary the mark is read, folded into the running peak of each open
     phase (phases nest: "update" holds "update/backward") and of the window that `memory_metrics`
     reports, then reset. A phase reports its resident memory at entry and its peak; peak − entry is
-    what the phase itself allocates. One instance per process: `HOST_MEMORY`.
+    what the phase itself allocates. One instance per process: `HOST_MEMORY`. Because the phases
+    reset VmHWM, code that wants a peak across them reads `HOST_MEMORY.take_window_peak()`, not VmHWM.
     """
 
     def __init__(self) -> None:
