@@ -1,7 +1,7 @@
 """The actor update against a bare PyTorch training loop, lever by lever (the CPU training step).
 
 Same model, same tokens, same cores: a batch of `--rows` trajectories shaped like the quickstart's
-(prompt ≈ 160 tokens, response 40–280), one optimizer step over it.
+(groups of `--n` rows sharing a prompt of ≈ 160 tokens, responses 40–280), one optimizer step over it.
 
 - ours: `DataParallelPPOActor.update_policy` — the class the FSDP worker runs — on a model built by the
   worker's own `init_sharded_model` + `shard_fsdp2` (one gloo rank), with the worker's precision
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def _batch(vocab: int, rows: int, seed: int = 0):
+def _batch(vocab: int, rows: int, n: int = 4, seed: int = 0):
     import torch
 
     from verl_arpo.protocol import DataProto
@@ -39,6 +39,8 @@ def _batch(vocab: int, rows: int, seed: int = 0):
     plen = torch.randint(140, 190, (rows,), generator=g)
     rlen = torch.randint(40, R + 1, (rows,), generator=g)
     ids = torch.randint(10, vocab, (rows, P + R), generator=g)
+    for i in range(rows):  # rows of a group share their prompt, as the rollout's n samples do
+        plen[i], ids[i, :P] = plen[i - i % n], ids[i - i % n, :P]
     attn = torch.zeros(rows, P + R, dtype=torch.long)
     for i in range(rows):
         attn[i, P - plen[i]:P + rlen[i]] = 1
@@ -80,7 +82,8 @@ def child(spec: dict) -> dict:
         opt = build_adamw(model.parameters(), OptimConfig(lr=1e-6))
         actor = DataParallelPPOActor(dict(ppo_mini_batch_size=len(data), use_dynamic_bsz=True,
                                           ppo_max_token_len_per_gpu=int(spec["micro_tokens"]), grad_clip=1.0),
-                                     model, opt, use_remove_padding=bool(spec["packing"]))
+                                     model, opt, use_remove_padding=bool(spec["packing"]),
+                                     use_prefix_sharing=bool(spec["sharing"]))
 
         def step():
             actor.update_policy(data)
@@ -140,14 +143,15 @@ def run(spec: dict) -> dict:
     return {**spec, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-CASES = [  # (label, who, precision, checkpointing, packing)
-    ("fp32, checkpointing (the quickstart today)", "ours", "fp32", True, False),
-    ("fp32, checkpointing", "bare", "fp32", True, False),
-    ("fp32, no checkpointing", "ours", "fp32", False, False),
-    ("fp32, no checkpointing", "bare", "fp32", False, False),
-    ("bf16 params (FSDP mixed precision), no checkpointing", "ours", "bf16", False, False),
-    ("bf16 autocast, no checkpointing", "bare", "bf16", False, False),
-    ("bf16, no checkpointing, packing", "ours", "bf16", False, True),
+CASES = [  # (label, who, precision, checkpointing, packing, prefix sharing)
+    ("fp32, checkpointing", "ours", "fp32", True, False, False),
+    ("fp32, checkpointing", "bare", "fp32", True, False, False),
+    ("fp32, no checkpointing", "ours", "fp32", False, False, False),
+    ("fp32, no checkpointing", "bare", "fp32", False, False, False),
+    ("bf16 params (FSDP mixed precision), no checkpointing", "ours", "bf16", False, False, False),
+    ("bf16 autocast, no checkpointing", "bare", "bf16", False, False, False),
+    ("bf16, no checkpointing, packing", "ours", "bf16", False, True, False),
+    ("bf16, no checkpointing, packing + prefix sharing (the quickstart)", "ours", "bf16", False, True, True),
 ]
 
 
@@ -174,9 +178,9 @@ def main(argv=None) -> None:
         model = smollm2_dir()
     cases = CASES if a.cases == "all" else [CASES[int(i) - 1] for i in a.cases.split(",")]
     rows = []
-    for label, who, precision, ckpt, packing in cases:
+    for label, who, precision, ckpt, packing, sharing in cases:
         r = run(dict(model=model, rows=a.rows, micro_tokens=a.micro_tokens, threads=a.threads, steps=a.steps,
-                     who=who, precision=precision, checkpointing=ckpt, packing=packing))
+                     who=who, precision=precision, checkpointing=ckpt, packing=packing, sharing=sharing))
         rows.append({**r, "label": label})
         print(f"{who:<5} {label:<55} {r['tok_per_s']:>8.0f} tok/s  step {r['step_s']:.1f} s  "
               f"peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
-    rl_steps = a.rl_steps or (2 if a.smoke else 8)
+    rl_steps = a.rl_steps or (2 if a.smoke else 10)
     test_limit = a.test_limit or (30 if a.smoke else None)
     wall: dict[str, float] = {}
     env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

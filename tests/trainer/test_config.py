@@ -221,6 +221,7 @@ RULES = [  # (override, key named in the error)
     ("algorithm.kl_penalty=k9", "algorithm.kl_penalty"),
     ("trainer.resume_mode=resume_path", "trainer.resume_from_path"),
     ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    ("actor_rollout_ref.model.use_prefix_sharing=true", "actor_rollout_ref.model.use_prefix_sharing"),  # unpacked
 ]
 
 
@@ -234,6 +235,18 @@ def test_each_bad_value_fails_naming_its_key(good, paths, override, key):
     problems = problems_of(cfg)
     assert key in problems, problems
     assert key in str(ConfigError(list(problems.items())))
+
+
+def test_prefix_sharing_needs_packing_and_a_tree_mask_backend(good):
+    key = "actor_rollout_ref.model.use_prefix_sharing"
+    on = ["actor_rollout_ref.model.use_remove_padding=true", f"{key}=true"]
+    validate_config(OmegaConf.merge(good, OmegaConf.from_dotlist(on)))
+    for attn in ("sdpa", "eager"):
+        validate_config(OmegaConf.merge(good, OmegaConf.from_dotlist(
+            [*on, f"actor_rollout_ref.model.attn_implementation={attn}"])))
+    cfg = OmegaConf.merge(good, OmegaConf.from_dotlist(
+        [*on, "actor_rollout_ref.model.attn_implementation=flash_attention_2"]))
+    assert "sdpa or eager" in problems_of(cfg)[key]
 
 
 def test_missing_model_path_and_gae_without_critic(good):

@@ -122,7 +122,8 @@ def actor_grad(model, data, **cfg):
     opt = RecordingOptimizer(model)
     base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), ppo_epochs=1, grad_clip=None)
     packed = cfg.pop("use_remove_padding", False)
-    actor = DataParallelPPOActor({**base, **cfg}, model, opt, use_remove_padding=packed)
+    shared = cfg.pop("use_prefix_sharing", False)
+    actor = DataParallelPPOActor({**base, **cfg}, model, opt, use_remove_padding=packed, use_prefix_sharing=shared)
     metrics = actor.update_policy(data)
     assert len(opt.grads) == 1
     return opt.grads[0], metrics
@@ -336,7 +337,9 @@ def _fsdp_rank(rank, world, port, model_dir, data_path, out_path):
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             half = len(full) // world
             data = full.slice(rank * half, (rank + 1) * half)
-            actor = DataParallelPPOActor({**cfg, "ppo_mini_batch_size": half}, model, opt)
+            cfg = dict(cfg)
+            kw = {k: cfg.pop(k) for k in ("use_remove_padding", "use_prefix_sharing") if k in cfg}
+            actor = DataParallelPPOActor({**cfg, "ppo_mini_batch_size": half}, model, opt, **kw)
             lp, _ = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={
                 "temperature": 1.0, "use_dynamic_bsz": True, "max_token_len": 15}))
             metrics = actor.update_policy(data)
@@ -353,6 +356,9 @@ def _fsdp_cases():
         "token-mean-dynamic": dict(loss_agg_mode="token-mean", use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20,
                                    grad_clip=0.05),
         "seq-mean-fixed": dict(loss_agg_mode="seq-mean-token-mean", ppo_micro_batch_size_per_gpu=2, grad_clip=None),
+        # rows 0, 2 and 4, 6 share prompts; the two ranks need different micro-batch counts
+        "token-mean-prefix-sharing": dict(loss_agg_mode="token-mean", use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20,
+                                          grad_clip=None, use_remove_padding=True, use_prefix_sharing=True),
     }
 
 
@@ -362,6 +368,8 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
     # Unequal token counts on the two halves, so local normalisation would be wrong.
     data = make_batch(load_model(tiny_model_dir).config.vocab_size, B=8, seed=8,
                       prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])
+    for a, b in ((0, 2), (4, 6)):  # shared prompts (equal lengths) for the prefix-sharing case
+        data.batch["input_ids"][b, :P] = data.batch["input_ids"][a, :P]
     data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
     torch.save(data, data_path)
     mp.start_processes(_fsdp_rank, args=(2, _free_port(), tiny_model_dir, str(data_path), str(out_path)),
@@ -371,7 +379,8 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
         model = load_model(tiny_model_dir)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        single = {**cfg, "ppo_mini_batch_size": 8, "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 8}
+        single = {k: v for k, v in cfg.items() if k not in ("use_remove_padding", "use_prefix_sharing")}
+        single.update(ppo_mini_batch_size=8, use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=8)
         metrics = DataParallelPPOActor(single, model, opt).update_policy(data)
         assert dp[name]["metrics"]["actor/grad_norm"][0] == pytest.approx(metrics["actor/grad_norm"][0], rel=1e-4)
         max_delta = max((v - before[k]).abs().max().item() for k, v in model.state_dict().items())

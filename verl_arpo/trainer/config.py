@@ -137,6 +137,13 @@ def _check_model(c: DictConfig, add: Callable[[str, str], None]) -> None:
     lora = _as_int(_select(c, f"{AR}.model.lora_rank", 0))
     if lora is None or lora < 0:
         add(f"{AR}.model.lora_rank", "must be an integer >= 0 (0 = full fine-tuning)")
+    if _select(c, f"{AR}.model.use_prefix_sharing", False) is True:
+        if _select(c, f"{AR}.model.use_remove_padding", False) is not True:
+            add(f"{AR}.model.use_prefix_sharing", "packs the rows' prefix tree, so it needs packed sequences: set "
+                f"{AR}.model.use_remove_padding=true (or use_prefix_sharing=false)")
+        if _select(c, f"{AR}.model.attn_implementation", None) not in (None, "sdpa", "eager"):
+            add(f"{AR}.model.use_prefix_sharing", "needs attention that takes a tree mask: set "
+                f"{AR}.model.attn_implementation to sdpa or eager (or use_prefix_sharing=false)")
 
 
 def _check_rollout(c: DictConfig, add: Callable[[str, str], None]) -> None:

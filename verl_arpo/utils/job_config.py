@@ -93,6 +93,7 @@ class ModelConfig:
     override_config: dict = field(default_factory=dict)
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = False
+    use_prefix_sharing: bool = False
     trust_remote_code: bool = False
     attn_implementation: str | None = None
     lora_rank: int = 0

@@ -14,6 +14,12 @@ Three jobs, one partitioner:
 - `balance_batch_indices(seqlens, dp_size)` gives the trainer a row order after which
   `DataProto.chunk(dp_size)` hands every rank the same number of rows and nearly the same tokens.
 
+With prefix sharing (`share_prefix`, actor_rollout_ref.model.use_prefix_sharing) the unit of
+both partitions is a group of rows with the same prompt instead of a row, weighed by the tokens
+its prefix tree holds (verl_arpo.utils.prefix_packing), so a group's rows meet in one micro-batch
+on one rank and its prompt is computed once. A group whose tree exceeds the budget is cut into
+row runs that fit; when ranks need more micro-batches than there are groups, rows become the unit.
+
 `get_reverse_idx` inverts a permutation so per-micro-batch outputs go back to the input order.
 
 What this does not do: it balances token *sums*. A padded forward costs rows × longest row, so
@@ -23,11 +29,16 @@ with `use_remove_padding=False` the compute per micro-batch is only roughly bala
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from verl_arpo.utils.prefix_packing import tree_size, valid_rows
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "get_seqlen_balanced_partitions",
@@ -139,30 +150,66 @@ def _min_feasible_partitions(seqlens: list[int], max_token_len: int) -> list[lis
         k += 1
 
 
-def _split_to_count(parts: list[list[int]], seqlens: list[int], k: int) -> list[list[int]]:
-    """Raise the number of groups to k by halving (token-balanced) the heaviest multi-row group;
-    halves of a group within budget stay within budget."""
+def _split_to_count(parts: list[list[int]], seqlens: list[int], k: int, unit_of: list[int] | None = None,
+                    rows: list[list[int]] | None = None) -> list[list[int]]:
+    """Raise the number of row groups to k by halving the heaviest multi-row group; halves of a
+    group within budget stay within budget. Weights are token sums, or with `rows` (prefix
+    sharing) prefix-tree sizes; a group of several `unit_of` units (prompt groups) is halved
+    between units (token-balanced), a group of one unit between its rows."""
+    def weight(p: list[int]) -> int:
+        return tree_size([rows[i] for i in p]) if rows is not None else sum(seqlens[i] for i in p)
+
     parts = [list(p) for p in parts]
     while len(parts) < k:
         splittable = [p for p in parts if len(p) > 1]
         if not splittable:
             raise ValueError(f"cannot make {k} micro-batches from {len(seqlens)} rows")
-        heaviest = max(splittable, key=lambda p: sum(seqlens[i] for i in p))
+        heaviest = max(splittable, key=weight)
         parts.remove(heaviest)
-        halves = get_seqlen_balanced_partitions([seqlens[i] for i in heaviest], 2, equal_size=False)
-        parts.extend([[heaviest[j] for j in h] for h in halves])
+        members: dict[int, list[int]] = {}
+        for i in heaviest:
+            members.setdefault(unit_of[i] if unit_of is not None else i, []).append(i)
+        groups = list(members.values()) if len(members) > 1 else [[i] for i in heaviest]
+        halves = get_seqlen_balanced_partitions([weight(g) for g in groups], 2, equal_size=False)
+        parts.extend([sorted(i for j in h for i in groups[j]) for h in halves])
     return parts
 
 
-def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro_num_in_dp: bool = True):
+def _prompt_groups(td, max_token_len: int) -> tuple[list[list[int]], list[int]]:
+    """Rows with the same valid prompt tokens (the slots before `responses`), cut into runs whose
+    prefix tree fits `max_token_len`; returns (units, tokens of each unit's tree)."""
+    rows = valid_rows(td["input_ids"], td["attention_mask"])
+    prompt_slots = td["input_ids"].shape[1] - td["responses"].shape[-1]
+    prompts = valid_rows(td["input_ids"][:, :prompt_slots], td["attention_mask"][:, :prompt_slots])
+    by_prompt: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_prompt.setdefault(tuple(p), []).append(i)
+    units, weights = [], []
+    for members in by_prompt.values():
+        run: list[int] = []
+        for i in members:
+            if run and tree_size([rows[j] for j in run + [i]]) > max_token_len:
+                units.append(run)
+                run = []
+            run.append(i)
+        units.append(run)
+    weights = [tree_size([rows[j] for j in u]) for u in units]
+    return units, weights
+
+
+def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro_num_in_dp: bool = True,
+                            share_prefix: bool = False):
     """Split `batch` (DataProto or TensorDict with `attention_mask`) into token-budget micro-batches.
 
     Returns (micro_batches, index_groups): micro_batches[j] holds the rows index_groups[j]
     (ascending) of `batch`, of the same type as `batch`. Guarantees: Σ attention_mask of each
     micro-batch ≤ max_token_len unless the micro-batch is one row that alone exceeds it; every
     row appears exactly once; the groups are token-balanced. When torch.distributed is
-    initialized and same_micro_num_in_dp, the count is the maximum over `dp_group` (None = the
-    default group) so every rank runs the same number of forward/backward passes.
+    initialized and same_micro_num_in_dp, the count is exactly the maximum over `dp_group` (None =
+    the default group) so every rank runs the same number of forward/backward passes (the ranks
+    would deadlock in FSDP's collectives otherwise).
+    With `share_prefix` (needs `input_ids` and `responses`) the budget counts prefix-tree tokens
+    and rows with the same prompt stay together (module docstring).
     Restore per-row outputs with `get_reverse_idx([i for g in index_groups for i in g])`.
     """
     if max_token_len <= 0:
@@ -171,24 +218,30 @@ def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro
     seqlens = [int(s) for s in td["attention_mask"].sum(dim=-1).tolist()]
     if not seqlens:
         return [], []
-    parts = _min_feasible_partitions(seqlens, max_token_len)
+    units, weights = _prompt_groups(td, max_token_len) if share_prefix else ([[i] for i in range(len(seqlens))], seqlens)
+    parts = _min_feasible_partitions(weights, max_token_len)
+    k = len(parts)
     if same_micro_num_in_dp and dist.is_available() and dist.is_initialized():
-        count = torch.tensor([len(parts)], dtype=torch.int64, device=td["attention_mask"].device)
+        count = torch.tensor([k], dtype=torch.int64, device=td["attention_mask"].device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
         k = int(count.item())
         if k > len(seqlens):
             raise ValueError(f"another data-parallel rank needs {k} micro-batches but this rank has only "
                              f"{len(seqlens)} rows; give every rank the same number of rows")
-        if k > len(parts):
-            # Try a fresh balanced k-way split first (better balance), else split existing groups.
-            parts = _budget_partitions(seqlens, max_token_len, k) or _split_to_count(parts, seqlens, k)
-    parts = sorted(parts, key=lambda p: p[0])
+        if len(parts) < k <= len(units):  # a fresh balanced k-way split first (better balance)
+            parts = _budget_partitions(weights, max_token_len, k) or parts
+    parts = [[i for u in p for i in units[u]] for p in parts]
+    if len(parts) < k:  # only ever split further: re-partitioning finer units could need more than k
+        unit_of = {i: n for n, u in enumerate(units) for i in u}
+        parts = _split_to_count(parts, seqlens, k, unit_of=[unit_of[i] for i in range(len(seqlens))],
+                                rows=valid_rows(td["input_ids"], td["attention_mask"]) if share_prefix else None)
+    parts = sorted(sorted(p) for p in parts)
     micro_batches = [batch.select_idxs(p) if hasattr(batch, "select_idxs") else batch[torch.tensor(p)] for p in parts]
     return micro_batches, parts
 
 
 def split_micro_batches(batch, use_dynamic_bsz: bool, micro_batch_size: int | None = None,
-                        max_token_len: int | None = None, dp_group=None):
+                        max_token_len: int | None = None, dp_group=None, share_prefix: bool = False):
     """Micro-batches of a (mini-)batch: token-budget (`use_dynamic_bsz`) or `micro_batch_size` rows.
 
     Returns (micro_batches, index_groups); with fixed sizes the groups are consecutive ranges, so
@@ -198,7 +251,7 @@ def split_micro_batches(batch, use_dynamic_bsz: bool, micro_batch_size: int | No
     if use_dynamic_bsz:
         if max_token_len is None:
             raise ValueError("use_dynamic_bsz needs a token budget (`max_token_len`)")
-        return rearrange_micro_batches(batch, int(max_token_len), dp_group=dp_group)
+        return rearrange_micro_batches(batch, int(max_token_len), dp_group=dp_group, share_prefix=share_prefix)
     if not micro_batch_size or micro_batch_size <= 0:
         raise ValueError(f"a positive micro batch size is needed without use_dynamic_bsz, got {micro_batch_size}")
     n = td.batch_size[0]
@@ -210,14 +263,28 @@ def split_micro_batches(batch, use_dynamic_bsz: bool, micro_batch_size: int | No
 # --------------------------------------------------------------------------------------------
 # Data-parallel balancing (trainer.balance_batch)
 # --------------------------------------------------------------------------------------------
-def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int) -> list[int]:
+def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int,
+                          groups: Sequence | None = None) -> list[int]:
     """Row order for token-balanced data-parallel shards.
 
     Returns a permutation `order` of 0..n−1 (n divisible by dp_size): after
     `data.reorder(order)`, `data.chunk(dp_size)[r]` is rank r's shard; each shard has n/dp_size
     rows and the shard token sums are Karmarkar–Karp balanced. Rows keep ascending order inside
-    a shard.
+    a shard. `groups` (a group id per row, e.g. the prompt uid; for prefix sharing) keeps each
+    group's rows on one rank when every group has the same size and the groups divide evenly
+    among the ranks; otherwise rows are balanced one by one (a warning says so).
     """
     lens = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
+    if groups is not None:
+        members: dict = {}
+        for i, g in enumerate(groups):
+            members.setdefault(g, []).append(i)
+        units = list(members.values())
+        if len({len(u) for u in units}) == 1 and len(units) % dp_size == 0:
+            parts = get_seqlen_balanced_partitions([sum(lens[i] for i in u) for u in units], dp_size, equal_size=True)
+            return [i for p in parts for i in sorted(i for u in p for i in units[u])]
+        logger.warning("balance_batch: %d groups of sizes %s cannot be split evenly over %d ranks; balancing rows "
+                       "one by one (groups are split, so their shared prompts are computed on several ranks)",
+                       len(units), sorted({len(u) for u in units}), dp_size)
     parts = get_seqlen_balanced_partitions(lens, dp_size, equal_size=True)
     return [i for p in parts for i in p]

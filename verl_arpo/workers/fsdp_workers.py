@@ -108,7 +108,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.actor_module = self.actor = self.ref_module = None
 
         def load(train: bool):
-            kw = dict(attn=mcfg.attn_implementation, trust_remote_code=mcfg.trust_remote_code,
+            # a tree mask needs sdpa/eager: null would pick flash attention where it is installed
+            attn = mcfg.attn_implementation or ("sdpa" if mcfg.use_prefix_sharing else None)
+            kw = dict(attn=attn, trust_remote_code=mcfg.trust_remote_code,
                       override_config=mcfg.override_config,
                       gradient_checkpointing=train and mcfg.enable_gradient_checkpointing,
                       lora_rank=mcfg.lora_rank if train else 0, lora_alpha=mcfg.lora_alpha,
@@ -124,7 +126,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.actor_optimizer = build_adamw(self.actor_module.parameters(), opt)
         self.lr_scheduler = build_lr_scheduler(self.actor_optimizer, opt, total_training_steps)
         self.actor = DataParallelPPOActor(acfg, self.actor_module, self.actor_optimizer,
-                                          use_remove_padding=mcfg.use_remove_padding, shuffle_seed=seed,
+                                          use_remove_padding=mcfg.use_remove_padding,
+                                          use_prefix_sharing=mcfg.use_prefix_sharing, shuffle_seed=seed,
                                           device=self.device)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
@@ -134,6 +137,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             self.ref_module = load(train=False)
             # log-prob micro-batch sizes come from meta_info (_log_prob_meta); no actor keys apply
             self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding,
+                                                   use_prefix_sharing=mcfg.use_prefix_sharing,
                                                    device=self.device)
         self._build_rollout(path)
         # No weight sync here when the engine loaded the same checkpoint (a fresh LoRA merges to the

@@ -24,6 +24,11 @@ then costs N² instead of B·S² (more whenever N > S·√B) plus N² mask memor
 for very unequal row lengths; on GPU use flash_attention_2. Other attention backends (custom
 kernels without that mask logic) fall back to padded batches with a one-time warning, as do rows
 whose position_ids do not run 0..L−1.
+
+use_prefix_sharing (with use_remove_padding): the packed row is the rows' prefix tree instead of
+their concatenation (verl_arpo.utils.prefix_packing), passed with an explicit [1, 1, N, N] tree
+mask; a prompt shared by a group's n rows, and ARPO branches' shared response prefix, are
+computed once. sdpa and eager only (prefix_sharing_supported).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree
 
 logger = logging.getLogger(__name__)
 
@@ -376,44 +382,74 @@ def warn_if_dense_packing(module: torch.nn.Module, device: torch.device) -> None
                   "actor_rollout_ref.model.use_remove_padding=False.\n" + "!" * 78)
 
 
-def _pack(micro, response_length: int) -> dict | None:
+def prefix_sharing_supported(module: torch.nn.Module) -> tuple[bool, str]:
+    """Whether the attention backend takes our [1, 1, N, N] tree mask (use_prefix_sharing): sdpa
+    and eager do; flash attention's varlen kernels only know block-diagonal masks."""
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        return False, f"attn_implementation {attn!r} takes no custom tree mask (sdpa and eager do)"
+    return True, ""
+
+
+def _pack(micro, response_length: int, share_prefix: bool = False) -> dict | None:
     """Flatten the valid tokens of a padded micro-batch into one packed row.
 
-    Returns input_ids/position_ids [1, N], `keep` [B, R] (response slot holds a real token) and
-    `keep_idx` [K] (packed index of the token *before* each kept response token, whose logits
-    score it); None when a row's position_ids are not 0..L−1 (boundaries would be ambiguous).
+    Returns input_ids/position_ids [1, N], `attention_mask` (None: transformers infers the
+    block-diagonal mask from the restarting position_ids; with `share_prefix`, the [1, 1, N, N]
+    tree mask of verl_arpo.utils.prefix_packing, whose nodes hold each shared prefix once),
+    `keep` [B, R] (response slot holds a real token) and `keep_idx` [K] (packed index of the token
+    *before* each kept response token, whose logits score it); None when a row's position_ids are
+    not 0..L−1 (boundaries would be ambiguous).
     """
     mask = micro["attention_mask"].bool()
     pos = micro["position_ids"]
     expected = mask.long().cumsum(-1) - 1
     if not torch.equal(pos[mask], expected[mask]):
         return None
-    flat_index = (mask.flatten().long().cumsum(0) - 1).view(mask.shape)
+    if share_prefix:
+        tree = build_prefix_tree(micro["input_ids"], mask)
+        node_index = tree.node_index
+        input_ids, position_ids = tree.tokens.unsqueeze(0), tree.depth.unsqueeze(0)
+        attention_mask = ancestor_mask(tree)[None, None]
+    else:
+        node_index = (mask.flatten().long().cumsum(0) - 1).view(mask.shape)
+        input_ids, position_ids, attention_mask = micro["input_ids"][mask].unsqueeze(0), pos[mask].unsqueeze(0), None
     s, r = mask.shape[1], response_length
     keep = mask[:, s - r:]
-    keep_idx = flat_index[:, s - r - 1:s - 1][keep]
-    return dict(input_ids=micro["input_ids"][mask].unsqueeze(0), position_ids=pos[mask].unsqueeze(0),
-                keep=keep, keep_idx=keep_idx)
+    keep_idx = node_index[:, s - r - 1:s - 1][keep]
+    return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, keep=keep,
+                keep_idx=keep_idx)
+
+
+def _as_attention_bias(mask: torch.Tensor | None, module: torch.nn.Module) -> torch.Tensor | None:
+    """eager attention adds its mask to the scores: a bool tree mask becomes 0 / −inf (sdpa takes bool)."""
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if mask is None or attn != "eager":
+        return mask
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(torch.float32).min)
 
 
 def response_forward(module: torch.nn.Module, micro, response_length: int, use_remove_padding: bool,
-                     causal_lm: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                     causal_lm: bool = True, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Run `module` and return the logits that score the response slots.
 
     Returns (logits, keep, packed): padded → logits [B, R, C] for positions −R−1:−1; packed →
     logits [K, C] for the kept slots only (scatter back with `unpack`). keep [B, R] marks response
     slots holding real tokens (attention_mask); outputs at other slots are set to 0 by callers.
     `causal_lm` asks the model for only the needed logits (`logits_to_keep`), which a token
-    classification head does not accept.
+    classification head does not accept. `share_prefix` (with use_remove_padding) computes each
+    prefix several rows share once (use_prefix_sharing; the module must pass
+    `prefix_sharing_supported`).
     """
     r = response_length
-    packed = _pack(micro, r) if use_remove_padding else None
+    packed = _pack(micro, r, share_prefix) if use_remove_padding else None
     if use_remove_padding and packed is None:
         warn_once("pos", "use_remove_padding: position_ids are not 0..L-1 per row; using padded batches")
     if packed is not None:
         extra = {"logits_to_keep": packed["keep_idx"]} if causal_lm else {}
-        out = module(input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=None,
-                     use_cache=False, **extra)
+        out = module(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                     attention_mask=_as_attention_bias(packed["attention_mask"], module), use_cache=False, **extra)
         logits = out.logits[0] if causal_lm else out.logits[0, packed["keep_idx"]]
         return logits, packed["keep"], True
     s = micro["input_ids"].shape[1]

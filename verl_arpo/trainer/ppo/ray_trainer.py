@@ -215,7 +215,10 @@ class RayPPOTrainer:
         from verl_arpo.utils.seqlen_balancing import balance_batch_indices
 
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        order = balance_batch_indices(seqlens, self.n_workers)
+        # prefix sharing computes a prompt once per micro-batch: keep each prompt's rows on one rank
+        share = self.config.actor_rollout_ref.model.use_prefix_sharing
+        groups = batch.non_tensor_batch["uid"] if share else None
+        order = balance_batch_indices(seqlens, self.n_workers, groups=groups)
         batch.reorder(torch.as_tensor(np.asarray(order), dtype=torch.long))
 
     def _score(self, batch: DataProto, reward_fn, metrics: dict | None = None) -> dict:

@@ -47,8 +47,8 @@ from verl_arpo.utils.torch_functional import (
 )
 from verl_arpo.utils.progress import Progress
 from verl_arpo.workers.training_core import (HOST_MEMORY, TokenWeightedMeans, clip_grad_and_step, global_loss_counts,
-                                             maybe_reshard, module_device, packing_supported, response_forward, to_device,
-                                             unpack, warn_if_dense_packing, warn_once)
+                                             maybe_reshard, module_device, packing_supported, prefix_sharing_supported,
+                                             response_forward, to_device, unpack, warn_if_dense_packing, warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 
@@ -61,7 +61,9 @@ class DataParallelPPOActor:
     config: the typed `actor_rollout_ref.actor` section (`ActorConfig`, or a mapping of its keys;
     absent keys take the YAML defaults), with ppo_mini_batch_size and ppo_micro_batch_size_per_gpu
     already normalized to trajectories per rank. use_remove_padding: packed sequences (the worker
-    passes `model.use_remove_padding`). shuffle_seed: seeds the mini-batch shuffle (actor.shuffle).
+    passes `model.use_remove_padding`). use_prefix_sharing: the packed rows as a prefix tree, and
+    token budgets that keep a prompt's rows together (`model.use_prefix_sharing`). shuffle_seed:
+    seeds the mini-batch shuffle (actor.shuffle).
     dp_group: the data-parallel process group for loss counts and micro-batch counts (None = the
     default group). device: where the forward runs (the worker's device; default: the device of the
     module's parameters). Batches arrive and results leave on the host; each micro-batch moves to
@@ -70,8 +72,8 @@ class DataParallelPPOActor:
     """
 
     def __init__(self, config: ActorConfig | Mapping | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
-                 use_remove_padding: bool = False, shuffle_seed: int = 0, dp_group=None,
-                 device: torch.device | None = None):
+                 use_remove_padding: bool = False, use_prefix_sharing: bool = False, shuffle_seed: int = 0,
+                 dp_group=None, device: torch.device | None = None):
         self.config: ActorConfig = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)
@@ -85,6 +87,15 @@ class DataParallelPPOActor:
                 self.use_remove_padding = False
         if self.use_remove_padding:
             warn_if_dense_packing(actor_module, self.device)
+        self.share_prefix = bool(use_prefix_sharing)
+        if self.share_prefix:
+            ok, why = prefix_sharing_supported(actor_module)
+            if not ok:
+                raise ValueError(f"actor_rollout_ref.model.use_prefix_sharing: {why}; set "
+                                 "actor_rollout_ref.model.attn_implementation=sdpa or use_prefix_sharing=false")
+            if not self.use_remove_padding:
+                raise ValueError("actor_rollout_ref.model.use_prefix_sharing needs packed sequences: set "
+                                 "actor_rollout_ref.model.use_remove_padding=true or use_prefix_sharing=false")
         self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
         # the same rule normalize_config applies: a KL loss with weight 0 is off (no ref_log_prob read)
         self.use_kl_loss = kl_term_active(self.config.use_kl_loss, self.config.kl_loss_coef)
@@ -98,7 +109,8 @@ class DataParallelPPOActor:
         bonus), else it is computed without grad in float32 chunks. Slots past the response are 0.
         """
         r = micro["responses"].shape[-1]
-        logits, keep, packed = response_forward(self.actor_module, micro, r, self.use_remove_padding)
+        logits, keep, packed = response_forward(self.actor_module, micro, r, self.use_remove_padding,
+                                                share_prefix=self.share_prefix)
         labels = micro["responses"][keep] if packed else micro["responses"]
         # the temperature is applied chunk by chunk inside: no scaled copy of the logits
         log_probs = unpack(logprobs_from_logits(logits, labels, temperature=temperature), keep, packed)
@@ -129,7 +141,7 @@ class DataParallelPPOActor:
         self.actor_module.eval()
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
         micro_batches, groups = split_micro_batches(batch, bool(use_dynamic), micro_size, max_len,
-                                                    dp_group=self.dp_group)
+                                                    dp_group=self.dp_group, share_prefix=self.share_prefix)
         log_probs, entropies = [], []
         with torch.no_grad():
             for micro in micro_batches:
@@ -260,7 +272,7 @@ class DataParallelPPOActor:
                 agg = global_loss_counts(mini["response_mask"], self.dp_group)
                 micro_batches, _ = split_micro_batches(
                     mini, use_dynamic, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
-                    dp_group=self.dp_group)
+                    dp_group=self.dp_group, share_prefix=self.share_prefix)
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
                 for micro_idx, micro in enumerate(micro_batches):
