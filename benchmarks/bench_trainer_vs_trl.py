@@ -32,6 +32,8 @@ Ours and TRL runs alternate (ours, TRL, TRL, ours, ...); medians over repetition
     python benchmarks/bench_trainer_vs_trl.py --smoke         # 1 repetition, 2 steps (tests)
     python benchmarks/bench_trainer_vs_trl.py --model ~/.cache/verl_arpo/models/smollm2-135m-instruct \
         --prompts 2 --n 4 --response_length 64 --reps 2      # a real 135M model (slow: minutes per run)
+    python benchmarks/bench_trainer_vs_trl.py --ours_override actor_rollout_ref.model.use_remove_padding=true \
+        --ours_override actor_rollout_ref.model.use_prefix_sharing=true   # ours with packing + prefix sharing
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="1 repetition, 2 steps, 32 tokens (tests)")
     p.add_argument("--out", default=str(RESULTS / "trainer_vs_trl.json"))
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (runs' logs)")
+    p.add_argument("--ours_override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Hydra override for our runs only, e.g. actor_rollout_ref.model.use_prefix_sharing=true "
+                        "(repeatable; recorded in the results and the table's label)")
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._child:
@@ -183,6 +188,7 @@ def main(argv=None):
     t_start, load0 = time.time(), os.getloadavg()
     tmp = tmpdir("bench_trl_")
     spec = grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps, micro=a.micro)
+    spec["extra_overrides"] = list(spec.get("extra_overrides", [])) + list(a.ours_override)
     ours_variants = [int(w) for w in str(a.workers).split(",")]
     ok, why = trl_status()
     variants = [int(x) for x in a.trl_threads.split(",")]   # TRL torch threads; 0 = torch's default
@@ -230,7 +236,8 @@ def main(argv=None):
     drop = ("per_run",)
     def ours_label(side):
         w = int(side[6:])
-        return f"verl_arpo ({w} Ray worker{'s' if w > 1 else ''} x 1 thread)"
+        extra = f", {' '.join(o.rsplit('.', 1)[-1] for o in a.ours_override)}" if a.ours_override else ""
+        return f"verl_arpo ({w} Ray worker{'s' if w > 1 else ''} x 1 thread{extra})"
 
     table = [{"trainer": ours_label(main_side), **{k: v for k, v in o.items() if k not in drop}}]
     table += [{"trainer": ours_label(s) + " (variant)", **{k: x for k, x in v.items() if k not in drop}}

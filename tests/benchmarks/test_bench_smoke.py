@@ -85,7 +85,9 @@ def test_run_all_script_parses():
 
 # ------------------------------------------------------------------------------------------ slow
 SMOKES = {
-    "trainer_vs_trl": ["bench_trainer_vs_trl.py", "--smoke"],
+    "trainer_vs_trl": ["bench_trainer_vs_trl.py", "--smoke",
+                       "--ours_override", "actor_rollout_ref.model.use_remove_padding=true",
+                       "--ours_override", "actor_rollout_ref.model.use_prefix_sharing=true"],
     "on_policy_skip": ["bench_on_policy_skip.py", "--reps", "1", "--steps", "2", "--response_length", "32"],
     "scaling": ["bench_scaling.py", "--smoke"],
     "cpu_efficiency": ["bench_cpu_efficiency.py", "--smoke"],
@@ -95,7 +97,7 @@ SMOKES = {
     "tools": ["bench_tools.py", "--quick"],
     "engine_levers": ["bench_engine_levers.py", "--quick"],
     "async_rollout_hf": ["bench_async_rollout.py", "--quick"],
-    "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7"],
+    "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7,8"],
 }
 
 
