@@ -71,6 +71,18 @@ def per_row_outputs(model, data, temperature=1.0):
     return out
 
 
+def assert_matches_rows(lp, ent, rows, data):
+    """Per-slot log-probs / entropies equal the per-row forward's; 0 past each response."""
+    attn_r = data.batch["attention_mask"][:, P:]
+    for b in range(lp.shape[0]):
+        for t in range(R):
+            if attn_r[b, t]:
+                assert lp[b, t].item() == pytest.approx(rows[(b, t)][0].item(), abs=1e-5)
+                assert ent[b, t].item() == pytest.approx(rows[(b, t)][1].item(), abs=1e-5)
+            else:
+                assert lp[b, t] == 0 and ent[b, t] == 0
+
+
 def reference_objective(model, data, cfg):
     """The mini-batch objective, token by token (dual-clip PPO + entropy bonus + KL, AEPO advantage)."""
     eps, c = cfg.get("clip_ratio", 0.2), cfg.get("clip_ratio_c", 3.0)
@@ -152,14 +164,7 @@ def test_compute_log_prob_matches_plain_forward(model):
         rows = per_row_outputs(model, data, temperature)
         data.meta_info.update(temperature=temperature, micro_batch_size=4, use_dynamic_bsz=False)
         lp, ent = actor.compute_log_prob(data, calculate_entropy=True)
-        attn_r = data.batch["attention_mask"][:, P:]
-        for b in range(lp.shape[0]):
-            for t in range(R):
-                if attn_r[b, t]:
-                    assert lp[b, t].item() == pytest.approx(rows[(b, t)][0].item(), abs=1e-5)
-                    assert ent[b, t].item() == pytest.approx(rows[(b, t)][1].item(), abs=1e-5)
-                else:
-                    assert lp[b, t] == 0 and ent[b, t] == 0
+        assert_matches_rows(lp, ent, rows, data)
         # token-budget micro-batches come back in the input order; packing gives the same numbers
         data.meta_info.update(use_dynamic_bsz=True, max_token_len=20)
         lp_dyn, ent_dyn = actor.compute_log_prob(data, calculate_entropy=True)

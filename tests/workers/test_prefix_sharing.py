@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 from tensordict import TensorDict
-from test_dp_actor import P, R, actor_grad, assert_grads_close, load_model, per_row_outputs, reference_grad
+from test_dp_actor import (P, R, actor_grad, assert_grads_close, assert_matches_rows, load_model, per_row_outputs,
+                           reference_grad)
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree, tree_size, valid_rows
@@ -125,14 +126,7 @@ def test_shared_forward_equals_per_row_forwards(tiny_model_dir, attn_impl):
     # one forward over the tree: fewer tokens than the rows hold
     assert seen == [tree_size(valid_rows(data.batch["input_ids"], data.batch["attention_mask"]))]
     assert seen[0] < int(data.batch["attention_mask"].sum())
-    attn_r = data.batch["attention_mask"][:, P:]
-    for b in range(lp.shape[0]):
-        for t in range(R):
-            if attn_r[b, t]:
-                assert lp[b, t].item() == pytest.approx(rows[(b, t)][0].item(), abs=1e-5)
-                assert ent[b, t].item() == pytest.approx(rows[(b, t)][1].item(), abs=1e-5)
-            else:
-                assert lp[b, t] == 0 and ent[b, t] == 0
+    assert_matches_rows(lp, ent, rows, data)
 
 
 def test_shared_update_gradient_is_the_minibatch_objective(model):
