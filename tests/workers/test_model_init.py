@@ -66,6 +66,7 @@ def _init_rank(rank, world, port, model_dir, out_dir, lora_rank):
             torch.save(dict(params=params, buffers=buffers, logits=logits), os.path.join(out_dir, "rank0.pt"))
         with open(os.path.join(out_dir, f"mem{rank}.json"), "w") as f:
             json.dump(dict(before=before, peak=peak), f)
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (a rare abort at exit)
     finally:
         dist.destroy_process_group()
 
