@@ -18,7 +18,8 @@ With prefix sharing (`share_prefix`, actor_rollout_ref.model.use_prefix_sharing)
 both partitions is a group of rows with the same prompt instead of a row, weighed by the tokens
 its prefix tree holds (verl_arpo.utils.prefix_packing), so a group's rows meet in one micro-batch
 on one rank and its prompt is computed once. A group whose tree exceeds the budget is cut into
-row runs that fit; when ranks need more micro-batches than there are groups, rows become the unit.
+row runs that fit; when another rank needs more micro-batches, groups are split further (between
+prompt groups first, then between a group's rows).
 
 `get_reverse_idx` inverts a permutation so per-micro-batch outputs go back to the input order.
 
@@ -175,16 +176,17 @@ def _split_to_count(parts: list[list[int]], seqlens: list[int], k: int, unit_of:
     return parts
 
 
-def _prompt_groups(td, max_token_len: int) -> tuple[list[list[int]], list[int]]:
+def _prompt_groups(td, max_token_len: int) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """Rows with the same valid prompt tokens (the slots before `responses`), cut into runs whose
-    prefix tree fits `max_token_len`; returns (units, tokens of each unit's tree)."""
+    prefix tree fits `max_token_len`; returns (units, tokens of each unit's tree, valid tokens of
+    each row)."""
     rows = valid_rows(td["input_ids"], td["attention_mask"])
     prompt_slots = td["input_ids"].shape[1] - td["responses"].shape[-1]
     prompts = valid_rows(td["input_ids"][:, :prompt_slots], td["attention_mask"][:, :prompt_slots])
     by_prompt: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
         by_prompt.setdefault(tuple(p), []).append(i)
-    units, weights = [], []
+    units: list[list[int]] = []
     for members in by_prompt.values():
         run: list[int] = []
         for i in members:
@@ -193,8 +195,7 @@ def _prompt_groups(td, max_token_len: int) -> tuple[list[list[int]], list[int]]:
                 run = []
             run.append(i)
         units.append(run)
-    weights = [tree_size([rows[j] for j in u]) for u in units]
-    return units, weights
+    return units, [tree_size([rows[j] for j in u]) for u in units], rows
 
 
 def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro_num_in_dp: bool = True,
@@ -218,7 +219,10 @@ def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro
     seqlens = [int(s) for s in td["attention_mask"].sum(dim=-1).tolist()]
     if not seqlens:
         return [], []
-    units, weights = _prompt_groups(td, max_token_len) if share_prefix else ([[i] for i in range(len(seqlens))], seqlens)
+    if share_prefix:
+        units, weights, rows = _prompt_groups(td, max_token_len)
+    else:
+        units, weights, rows = [[i] for i in range(len(seqlens))], seqlens, None
     parts = _min_feasible_partitions(weights, max_token_len)
     k = len(parts)
     if same_micro_num_in_dp and dist.is_available() and dist.is_initialized():
@@ -233,8 +237,7 @@ def rearrange_micro_batches(batch, max_token_len: int, dp_group=None, same_micro
     parts = [[i for u in p for i in units[u]] for p in parts]
     if len(parts) < k:  # only ever split further: re-partitioning finer units could need more than k
         unit_of = {i: n for n, u in enumerate(units) for i in u}
-        parts = _split_to_count(parts, seqlens, k, unit_of=[unit_of[i] for i in range(len(seqlens))],
-                                rows=valid_rows(td["input_ids"], td["attention_mask"]) if share_prefix else None)
+        parts = _split_to_count(parts, seqlens, k, unit_of=[unit_of[i] for i in range(len(seqlens))], rows=rows)
     parts = sorted(sorted(p) for p in parts)
     micro_batches = [batch.select_idxs(p) if hasattr(batch, "select_idxs") else batch[torch.tensor(p)] for p in parts]
     return micro_batches, parts
