@@ -13,9 +13,10 @@ Outputs (in --out, default rl_datasets/):
 Three kinds of questions, each needing a tool a 135M model does not carry in its weights:
 - math (`arpo_toy_math`, math scorer): 3–4-digit products, sums of 4–6 numbers, a*b+c, remainders;
   answered with `<python>print(expr)</python>`;
-- search (`arpo_toy_search`, deep_research scorer): facts about the fictional towns, people and
-  companies of the bundled corpus (search_cache/make_corpus.py) -- no model can know them;
-- multi (`arpo_toy_multi`, deep_research scorer): a fact from search, then arithmetic on it in
+- search (`arpo_toy_search`, qa_f1 scorer: deep_research's without the tool bonus): facts about
+  the fictional towns, people and companies of the bundled corpus (search_cache/make_corpus.py)
+  -- no model can know them;
+- multi (`arpo_toy_multi`, qa_f1 scorer): a fact from search, then arithmetic on it in
   Python (years between a founding and a year, population / d rounded, age at an invention, ...).
 Train, valid and test use disjoint entities (70% / 10% / 20% of each type), so test facts were never
 seen in SFT. A fact question is kept only if the solver's query "<entity> <keyword>" ranks the

@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--test_limit", type=int, default=None, help="evaluate only the first N test questions")
     p.add_argument("--out", default=str(ROOT / "outputs" / "quickstart"))
     p.add_argument("--force", action="store_true", help="redo every stage")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="Hydra overrides of the RL stage (configs/quickstart.yaml), e.g. "
+                        "actor_rollout_ref.actor.optim.lr=1e-5; with an --out whose RL stage has not run")
     a = p.parse_args(argv)
+    bad = [o for o in a.overrides if "=" not in o]
+    if bad:
+        p.error(f"{bad[0]!r} is not a Hydra override: write KEY=VALUE (e.g. data.train_batch_size=6)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -285,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
                    f"trainer.rollout_data_dir={rl_root / 'rollout'}",
                    f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out / 'search_cache.sqlite'}",
                    f"hydra.run.dir={rl_root / 'hydra'}", *algo,
-                   *(["data.max_prompt_length=384"] if a.tiny else [])]  # the tiny tokenizer needs more tokens
+                   *(["data.max_prompt_length=384"] if a.tiny else []),  # the tiny tokenizer needs more tokens
+                   *a.overrides]
             before = times.get("rl", 0.0) if resumed else 0.0
             try:
                 _run(cmd, logs / "rl.log", env, append=resumed)

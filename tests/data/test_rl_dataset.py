@@ -94,6 +94,13 @@ def test_flat_schema_is_normalised(tok, tmp_path):
     assert [ds[i]["index"] for i in range(3)] == [0, 1, 2]
 
 
+def test_column_gives_every_kept_row_and_names_a_missing_one(tok, tmp_path):
+    ds = RLHFDataset(flat_file(tmp_path), tok, {"max_prompt_length": 64})
+    assert ds.column("data_source") == [ds[i]["data_source"] for i in range(len(ds))]
+    with pytest.raises(ValueError, match=r"data.stratify_by='source'.*3 rows.*data_source"):
+        ds.column("source", "data.stratify_by")
+
+
 def test_system_prompt_override_and_its_repair(tok, tmp_path):
     cfg = {"max_prompt_length": 128, "system_prompt_override": "Answer in \x08oxed{}."}
     ds = RLHFDataset(flat_file(tmp_path), tok, cfg)

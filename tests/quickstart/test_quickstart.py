@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quickstart_tiny_smoke(tmp_path):
     out = tmp_path / "qs"
     env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache")}  # an empty evaluation cache
-    r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    # a Hydra override on the command line reaches the RL stage: 6 prompts a step, 2 of each task type
+    r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out),
+                        "data.train_batch_size=6"], cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for step in (1, 2):
+        rows = [json.loads(line) for line in open(out / "rl" / "rollout" / f"rollout_{step}.jsonl")]
+        prompts = {row["uid"]: row["data_source"] for row in rows}
+        assert len(rows) == 6 * 4 and sorted(Counter(prompts.values()).values()) == [2, 2, 2]
     s = json.loads((out / "summary.json").read_text())
     assert s["test"]["n"] == 30
     for tag in ("base", "sft", "rl"):
@@ -50,6 +56,15 @@ def test_quickstart_tiny_smoke(tmp_path):
     assert json.loads((out / "eval_base.json").read_text()) == base_report
     assert {k: s2["wall_s"][k] for k in ("sft", "rl")} == {k: s["wall_s"][k] for k in ("sft", "rl")}
     assert s2["wall_s"]["sft"] > 0 and s2["wall_s"]["rl"] > 0
+
+
+def test_an_override_that_is_not_key_value_is_refused(tmp_path, capsys):
+    from verl_arpo.quickstart import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path), "data.train_batch_size", "6"])
+    assert exit_.value.code == 2
+    assert "'data.train_batch_size' is not a Hydra override: write KEY=VALUE" in capsys.readouterr().err
 
 
 def test_eval_cache_key_follows_every_input(tmp_path, monkeypatch):

@@ -95,6 +95,16 @@ def check_deep_research(out):
         assert 0.0 <= score <= 1.1 + 1e-12
 
 
+def check_qa_f1(out):
+    """deep_research's rule without the tool bonus: the score is the F1 itself."""
+    score, reason = _basic(out)
+    _event(f"qa_f1: {reason.split(':')[0]}")
+    if reason.startswith("format:"):
+        assert score == -1.0 and out["f1"] == 0.0
+    else:
+        assert reason in DR_REASONS - {"ok+tool_bonus"} and score == out["f1"] and 0.0 <= score <= 1.0
+
+
 def check_math(out):
     score, reason = _basic(out)
     _event(f"math: {reason.split(':')[0]}")
@@ -135,7 +145,7 @@ def test_ground_truths_always_a_list_of_non_empty_strings(gt):
     assert isinstance(out, list) and all(isinstance(g, str) and g for g in out)
 
 
-CHECKS = {"hotpotqa": check_deep_research, "bamboogle": check_deep_research, "arpo_toy_search": check_deep_research,
+CHECKS = {"hotpotqa": check_deep_research, "bamboogle": check_deep_research, "arpo_toy_search": check_qa_f1,
           "aime24": check_math, "numina_olympiads": check_math, "gsm8k": check_math, "openai/gsm8k": check_gsm8k}
 
 

@@ -161,6 +161,20 @@ def test_tool_bonus_requires_both_tools_and_positive_f1():
     assert score(THINK + PYTHON + ANS)["score"] == 1.0
 
 
+def test_qa_f1_is_the_same_rule_without_the_tool_bonus():
+    from verl_arpo.utils.reward_score.deep_research import compute_score_qa_f1
+
+    both = THINK + SEARCH + THINK + PYTHON + THINK
+    # both tools: F1 alone (1.0, 0.8), where deep_research pays 1.1 and 0.9
+    out = compute_score_qa_f1("arpo_toy_search", both + ANS, "Paris")
+    assert out["score"] == 1.0 and out["reason"] == "ok"
+    partial = compute_score_qa_f1("arpo_toy_multi", both + "<answer>\\boxed{new new york}</answer>", "new york")
+    assert partial["score"] == pytest.approx(0.8) and partial["f1"] == pytest.approx(0.8)
+    # the format gate and wrong answers are unchanged
+    assert compute_score_qa_f1("arpo_toy_search", "<answer>\\boxed{Paris}</answer>", "Paris")["score"] == -1.0
+    assert compute_score_qa_f1("arpo_toy_search", THINK + "<answer>\\boxed{Rome}</answer>", "Paris")["score"] == 0.0
+
+
 def test_empty_ground_truth():
     out = score(THINK + ANS, gt=[])
     assert out["score"] == 0.0 and out["reason"] == "no_ground_truth"

@@ -16,7 +16,7 @@ GOOD_DR = "<think>t</think><answer>\\boxed{Paris}</answer>"
         ("bamboogle", "deep_research"), ("gaia", "deep_research"), ("HLE", "deep_research"),
         ("webwalker", "deep_research"), ("xbench", "deep_research"), ("frames", "deep_research"),
         ("simpleqa", "deep_research"), ("nq", "deep_research"), ("triviaqa", "deep_research"),
-        ("arpo_toy_search", "deep_research"),
+        ("arpo_toy_search", "qa_f1"), ("arpo_toy_multi", "qa_f1"),
     ],
 )
 def test_routing(source, scorer):

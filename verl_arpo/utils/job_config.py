@@ -78,6 +78,7 @@ class DataConfig:
     return_raw_chat: bool = True
     shuffle: bool = True
     seed: int = 1
+    stratify_by: str | None = None
     filter_overlong_prompts: bool = True
     truncation: str = "error"
     dataloader_num_workers: int = 0

@@ -22,6 +22,7 @@ import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.trainer.ppo import core_algos
+from verl_arpo.utils.dataset.batch_order import epoch_order
 from verl_arpo.utils.job_config import JobConfig
 from verl_arpo.trainer.ppo.metrics import (
     compute_data_metrics,
@@ -131,6 +132,9 @@ class RayPPOTrainer:
         if self.steps_per_epoch == 0:
             raise ValueError(f"data.train_batch_size={self.batch_size} is larger than the training set "
                              f"({len(train_dataset)} rows): lower it")
+        # data.stratify_by: each batch holds every value of that column in its share of the data
+        self.train_strata = (train_dataset.column(config.data.stratify_by, "data.stratify_by")
+                             if config.data.stratify_by else None)
         total = config.trainer.total_training_steps
         self.total_training_steps = int(total) if total else int(config.trainer.total_epochs) * self.steps_per_epoch
         self.n_workers = derived.world_size
@@ -187,11 +191,11 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ data order (resumable)
     def _batch_indices(self, step: int) -> np.ndarray:
         """Row indices of training step `step` (1-based): epoch = (step−1) // steps_per_epoch, order
-        = a permutation seeded by (data.seed, epoch), so a resumed run sees exactly the same batches."""
+        = a permutation seeded by (data.seed, epoch), stratified by `data.stratify_by` when set, so a
+        resumed run sees exactly the same batches."""
         epoch, k = divmod(step - 1, self.steps_per_epoch)
-        n = len(self.train_dataset)
-        order = (np.random.default_rng([int(self.config.data.seed), epoch]).permutation(n)
-                 if self.config.data.shuffle else np.arange(n))
+        data = self.config.data
+        order = epoch_order(len(self.train_dataset), data.seed, epoch, data.shuffle, self.train_strata)
         return order[k * self.batch_size:(k + 1) * self.batch_size]
 
     def _collate(self, dataset, indices) -> DataProto:

@@ -210,6 +210,17 @@ class RLHFDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
+    def column(self, name: str, key: str = "column") -> list[Any]:
+        """Every kept row's value of `name` (e.g. `data_source`); `key` names the config key that
+        asked for it in the error raised when a row lacks the column."""
+        missing = [i for i, row in enumerate(self.rows) if name not in row]
+        if missing:
+            row = self.rows[missing[0]]
+            raise ValueError(f"{key}={name!r}: {len(missing)} rows have no such column (first: "
+                             f"{row['source_file']} row {row['row_number']}; columns: "
+                             f"{sorted(k for k in row if not k.startswith('_'))}); name a column of the data")
+        return [row[name] for row in self.rows]
+
     def _truncate(self, ids: list[int], row: dict[str, Any]) -> list[int]:
         limit = self.max_prompt_length
         if len(ids) <= limit:

@@ -27,6 +27,7 @@ SCORERS: dict[str, Callable[..., Any]] = {
     "math": math.compute_score,
     "gsm8k": gsm8k.compute_score,
     "deep_research": deep_research.compute_score,
+    "qa_f1": deep_research.compute_score_qa_f1,
 }
 
 _MATH_SOURCES = ("math", "aime", "aime24", "aime25", "aime2024", "aime2025", "math500", "math_500",
@@ -47,7 +48,7 @@ DATA_SOURCE_PREFIXES: dict[str, str] = {
     "numina_": "math",
     "arpo_toy_math": "math",
     "arpo_toy_gsm8k": "gsm8k",
-    "arpo_toy_": "deep_research",  # bundled toy QA / search tasks
+    "arpo_toy_": "qa_f1",  # bundled lookup / two-step tasks: deep_research without the tool bonus
 }
 
 
@@ -76,7 +77,7 @@ def get_scorer(data_source: Any) -> Callable[..., Any]:
             f"{sorted(DATA_SOURCE_SCORERS)}; prefixes: {sorted(DATA_SOURCE_PREFIXES)}. Fix: set "
             "custom_reward_function.path=<file.py> and custom_reward_function.name=<function> to "
             "a compute_score(data_source, solution_str, ground_truth, extra_info=None), or call "
-            "verl_arpo.utils.reward_score.register_data_source(name, 'math'|'gsm8k'|'deep_research')."
+            "verl_arpo.utils.reward_score.register_data_source(name, 'math'|'gsm8k'|'deep_research'|'qa_f1')."
         )
     return SCORERS[key]
 

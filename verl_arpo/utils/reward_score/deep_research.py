@@ -16,7 +16,9 @@ Rule (the reference's behaviour, docs/algorithms.md, "Rewards"):
    where |common| counts shared tokens with multiplicity; if either normalised side is one of
    `yes` / `no` / `noanswer` and the two differ, F1 = 0.
 4. +0.1 when F1 > 0 and the response used both tools (at least one `<search>` and one `<python>`).
-   The score therefore lies in {-1} ∪ [0, 1.1].
+   The score therefore lies in {-1} ∪ [0, 1.1]. The `qa_f1` scorer (`tool_bonus=0`, the bundled
+   task's lookups and two-step questions) leaves this out: a lookup needs no Python, and the
+   bonus paid for adding a needless call (docs/algorithms.md, "Rewards").
 
 Returns a dict `{"score", "f1", "answer", "reason"}`; `reason` is "ok", "ok+tool_bonus",
 "wrong_answer", "no_ground_truth" or "format:<rule>" naming the failed rule.
@@ -37,7 +39,7 @@ from typing import Any
 
 from verl_arpo.utils.reward_score._text import ground_truths, last_boxed, sanitize_text
 
-__all__ = ["compute_score", "check_format", "normalize_answer", "f1_score", "TOOL_TAGS"]
+__all__ = ["compute_score", "compute_score_qa_f1", "check_format", "normalize_answer", "f1_score", "TOOL_TAGS"]
 
 FORMAT_PENALTY = -1.0
 TOOL_BONUS = 0.1
@@ -139,8 +141,9 @@ def check_format(text: str) -> tuple:
 
 
 def compute_score(data_source: Any, solution_str: Any, ground_truth: Any,
-                  extra_info: Any = None) -> dict[str, Any]:
-    """Score one response (see the module docstring). Never raises on model output."""
+                  extra_info: Any = None, tool_bonus: float = TOOL_BONUS) -> dict[str, Any]:
+    """Score one response (see the module docstring). Never raises on model output.
+    `tool_bonus=0` is the `qa_f1` scorer (format gate and F1 only)."""
     text = sanitize_text(solution_str)
     failure, answer = check_format(text)
     if failure:
@@ -152,6 +155,12 @@ def compute_score(data_source: Any, solution_str: Any, ground_truth: Any,
     f1 = max(f1_score(answer, gold) for gold in golds)
     if f1 <= 0.0:
         return {"score": 0.0, "f1": 0.0, "answer": answer, "reason": "wrong_answer"}
-    if all(f"<{tag}>" in text for tag in TOOL_TAGS):
-        return {"score": f1 + TOOL_BONUS, "f1": f1, "answer": answer, "reason": "ok+tool_bonus"}
+    if tool_bonus and all(f"<{tag}>" in text for tag in TOOL_TAGS):
+        return {"score": f1 + tool_bonus, "f1": f1, "answer": answer, "reason": "ok+tool_bonus"}
     return {"score": f1, "f1": f1, "answer": answer, "reason": "ok"}
+
+
+def compute_score_qa_f1(data_source: Any, solution_str: Any, ground_truth: Any,
+                        extra_info: Any = None) -> dict[str, Any]:
+    """The format gate and F1 without the tool bonus (rule 4): the `qa_f1` scorer."""
+    return compute_score(data_source, solution_str, ground_truth, extra_info, tool_bonus=0.0)
