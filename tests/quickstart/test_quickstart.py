@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quickstart_tiny_smoke(tmp_path):
     out = tmp_path / "qs"
     env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache")}  # an empty evaluation cache
-    # a Hydra override on the command line reaches the RL stage: 6 prompts a step, 2 of each task type
-    r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out),
-                        "data.train_batch_size=6"], cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    # Hydra overrides on the command line reach the RL stage: 3 prompts a step (6 by default), one of
+    # each task type (data.stratify_by in configs/quickstart.yaml)
+    overrides = ["data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out), *overrides],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for step in (1, 2):
         rows = [json.loads(line) for line in open(out / "rl" / "rollout" / f"rollout_{step}.jsonl")]
         prompts = {row["uid"]: row["data_source"] for row in rows}
-        assert len(rows) == 6 * 4 and sorted(Counter(prompts.values()).values()) == [2, 2, 2]
+        assert len(rows) == 3 * 4 and sorted(Counter(prompts.values()).values()) == [1, 1, 1]
     s = json.loads((out / "summary.json").read_text())
     assert s["test"]["n"] == 30
     for tag in ("base", "sft", "rl"):
