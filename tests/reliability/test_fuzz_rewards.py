@@ -84,25 +84,21 @@ def _basic(out):
     return out["score"], out["reason"]
 
 
-def check_deep_research(out):
+def check_deep_research(out, tool_bonus=0.1):
+    """deep_research's rule; `tool_bonus=0` is the qa_f1 scorer's (the score is the F1 itself)."""
     score, reason = _basic(out)
     _event(f"deep_research: {reason.split(':')[0]}")
     if reason.startswith("format:"):
         assert score == -1.0 and out["f1"] == 0.0
     else:
-        assert reason in DR_REASONS and 0.0 <= out["f1"] <= 1.0
-        assert score == (out["f1"] + 0.1 if reason == "ok+tool_bonus" else out["f1"])
-        assert 0.0 <= score <= 1.1 + 1e-12
+        assert reason in (DR_REASONS if tool_bonus else DR_REASONS - {"ok+tool_bonus"})
+        assert 0.0 <= out["f1"] <= 1.0
+        assert score == (out["f1"] + tool_bonus if reason == "ok+tool_bonus" else out["f1"])
+        assert 0.0 <= score <= 1.0 + tool_bonus + 1e-12
 
 
 def check_qa_f1(out):
-    """deep_research's rule without the tool bonus: the score is the F1 itself."""
-    score, reason = _basic(out)
-    _event(f"qa_f1: {reason.split(':')[0]}")
-    if reason.startswith("format:"):
-        assert score == -1.0 and out["f1"] == 0.0
-    else:
-        assert reason in DR_REASONS - {"ok+tool_bonus"} and score == out["f1"] and 0.0 <= score <= 1.0
+    check_deep_research(out, tool_bonus=0.0)
 
 
 def check_math(out):
