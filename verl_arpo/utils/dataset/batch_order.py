@@ -5,8 +5,8 @@ A pure function of (seed, epoch, labels): a resumed run recomputes the same orde
 exactly the batches it would have seen.
 
 Stratified order (`data.stratify_by: data_source`): with a small batch drawn from a mix of sources,
-a plain shuffle gives steps that are mostly one source (8 prompts from three equal sources: a
-third of the batches hold a source at most once), and each such step pulls the shared policy
+a plain shuffle gives steps that are mostly one source (8 prompts from three equal sources: half
+the batches hold some source at most once), and each such step pulls the shared policy
 towards that source's behaviour. Here every label is spread evenly over the epoch:
 
     key(row) = (rank of the row among its label's rows + 1/2) / (rows with that label),
