@@ -41,7 +41,8 @@ def say(message: str) -> None:
     print(f"[quickstart] {time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
-def _run(cmd: list[str], log: Path, env: dict | None = None, append: bool = False) -> None:
+def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool = False) -> None:
+    """Run one stage's command with its output in `log`; a failure exits with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     say(f"{log.stem}: started (log: {log})")
     t0 = time.perf_counter()
@@ -53,6 +54,63 @@ def _run(cmd: list[str], log: Path, env: dict | None = None, append: bool = Fals
     if rc != 0:
         tail = "".join(open(log).readlines()[-40:])
         raise SystemExit(f"[quickstart] stage failed (exit {rc}); log: {log}\n{tail}")
+
+
+# The environment every stage's subprocess runs with: offline, unbuffered, no usage reporting.
+STAGE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+             "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+# The three algorithms are switches on one trainer (docs/algorithms.md): configs/quickstart.yaml is
+# ARPO; GRPO samples n independent trajectories; AEPO adds its rollout and loss switches to ARPO's.
+ALGO_OVERRIDES: dict[str, list[str]] = {
+    "arpo": [],
+    "grpo": ["actor_rollout_ref.rollout.initial_rollouts=null"],
+    "aepo": ["actor_rollout_ref.rollout.branch_rule=aepo",
+             "actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
+             "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
+             "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true"],
+}
+TEST_DATA = ROOT / "rl_datasets" / "test.parquet"
+
+
+def sft_command(base: Path, sft_dir: Path, steps: int, epochs: int = 1) -> list[str]:
+    """The cold-start SFT: a cold start teaches the format, not the task (12 steps × 16
+    conversations on a CPU by default)."""
+    return [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
+            f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
+            f"trainer.total_epochs={epochs}", "optim.lr=1e-4", "data.train_batch_size=16",
+            "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
+            "model.autocast_dtype=bfloat16", f"trainer.total_training_steps={steps}"]
+
+
+def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: Path, tiny: bool = False,
+               overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """main_ppo on configs/quickstart.yaml from the SFT model; `overrides` (Hydra KEY=VALUE) come last."""
+    return [PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
+            f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
+            f"trainer.total_training_steps={steps}", f"trainer.save_freq={max(1, steps // 2)}",
+            f"trainer.rollout_data_dir={rl_root / 'rollout'}",
+            f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={cache_file}",
+            f"hydra.run.dir={rl_root / 'hydra'}", *ALGO_OVERRIDES[algo],
+            *(["data.max_prompt_length=384"] if tiny else []),  # the tiny tokenizer needs more tokens
+            *overrides]
+
+
+def merge_command(rl_root: Path, hf_dir: Path) -> list[str]:
+    return [PY, str(ROOT / "merge_ckpt" / "convert_verl_to_hf.py"), "--verl_checkpoint", str(rl_root),
+            "--output_dir", str(hf_dir)]
+
+
+def eval_args(test_limit: int | None = None) -> list[str]:
+    """main_eval's arguments for the test split: greedy, bf16 (the rollout's precision, 1.9x faster
+    than fp32 here), 150 questions per generation call with the shared prefix encoded once."""
+    return ["--k", "1", "--max_response_length", "288", "--dtype", "bfloat16", "--batch_size", "150",
+            "--max_batch_size", "150", *(["--limit", str(test_limit)] if test_limit else [])]
+
+
+def eval_command(model_dir: Path, args: list[str], out: Path, data: Path = TEST_DATA) -> list[str]:
+    return [PY, "-m", "verl_arpo.trainer.main_eval", "--model", str(model_dir), "--data", str(data), *args,
+            "--out", str(out)]
 
 
 def eval_cache_key(model_dir: Path, data: Path, args: list[str]) -> str:
@@ -130,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a short run (a few steps, 30 test questions)")
     p.add_argument("--tiny", action="store_true", help="use the random tiny model (plumbing only)")
-    p.add_argument("--algo", choices=["arpo", "aepo", "grpo"], default="arpo")
+    p.add_argument("--algo", choices=list(ALGO_OVERRIDES), default="arpo")
     p.add_argument("--rl_steps", type=int, default=None)
     p.add_argument("--sft_epochs", type=int, default=None)
     p.add_argument("--sft_steps", type=int, default=None, help="SFT optimizer steps of 16 conversations")
@@ -150,8 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     rl_steps = a.rl_steps or (2 if a.smoke else 13)
     test_limit = a.test_limit or (30 if a.smoke else None)
     wall: dict[str, float] = {}
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = STAGE_ENV
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -201,11 +258,11 @@ def main(argv: list[str] | None = None) -> dict:
 
             base = Path(default_model_dir())
             if not (base / "verl_arpo_model_prep.json").exists():
-                _run([PY, "-m", "verl_arpo.utils.model_prep", "--out", str(base)], logs / "prepare.log", env)
+                run_logged([PY, "-m", "verl_arpo.utils.model_prep", "--out", str(base)], logs / "prepare.log", env)
             model_name = "SmolLM2-135M-Instruct"
         for split in ("train", "valid", "test"):
             if not (ROOT / "rl_datasets" / f"{split}.parquet").exists():
-                _run([PY, str(ROOT / "rl_datasets" / "make_task.py")], logs / "make_task.log", env)
+                run_logged([PY, str(ROOT / "rl_datasets" / "make_task.py")], logs / "make_task.log", env)
                 break
         wall["prepare"] = time.perf_counter() - t0
         bar.advance(task)
@@ -223,10 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t_eval += times.get(f"eval_{tag}", 0.0)
                 cached.extend([tag] if times.get(f"eval_{tag}_cached") else [])
             else:
-                data = ROOT / "rl_datasets" / "test.parquet"
-                # bf16, the rollout's precision: 1.9x faster than fp32 here; all questions in one batch
-                args = ["--k", "1", "--max_response_length", "288", "--dtype", "bfloat16", "--batch_size", "150",
-                        "--max_batch_size", "150", *(["--limit", str(test_limit)] if test_limit else [])]
+                data, args = TEST_DATA, eval_args(test_limit)
                 # the base model cannot change between runs: its report is reused while every input
                 # (weights, data, arguments, code, library versions) hashes the same
                 hit = eval_cache_dir() / f"{eval_cache_key(model_dir, data, args)}.json" if tag == "base" else None
@@ -236,8 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
                     cached.append(tag)
                     times[f"eval_{tag}"] = round(time.perf_counter() - t, 1)
                 else:
-                    _run([PY, "-m", "verl_arpo.trainer.main_eval", "--model", str(model_dir), "--data", str(data),
-                          *args, "--out", str(path)], logs / f"eval_{tag}.log", env)
+                    run_logged(eval_command(model_dir, args, path), logs / f"eval_{tag}.log", env)
                     if hit is not None:
                         hit.parent.mkdir(parents=True, exist_ok=True)
                         tmp = hit.with_suffix(".tmp")
@@ -256,14 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = stage("sft")
         sft_dir = out / "sft_model"
         if not done(sft_dir / "config.json"):
-            cmd = [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
-                   f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
-                   f"trainer.total_epochs={a.sft_epochs or 1}", "optim.lr=1e-4", "data.train_batch_size=16",
-                   "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
-                   "model.autocast_dtype=bfloat16",
-                   # a cold start teaches the format, not the task: 12 steps × 16 conversations on a CPU
-                   f"trainer.total_training_steps={a.sft_steps or (2 if a.smoke else 12)}"]
-            _run(cmd, logs / "sft.log", env)
+            cmd = sft_command(base, sft_dir, a.sft_steps or (2 if a.smoke else 12), a.sft_epochs or 1)
+            run_logged(cmd, logs / "sft.log", env)
             ran("sft", time.perf_counter() - t0)
         wall["sft"] = times.get("sft", 0.0)
         bar.advance(task)
@@ -281,22 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
             if rl_root.exists() and (stale or latest is None):
                 shutil.rmtree(rl_root)
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
-            algo = {"arpo": [], "grpo": ["actor_rollout_ref.rollout.initial_rollouts=null"],
-                    "aepo": ["actor_rollout_ref.rollout.branch_rule=aepo",
-                             "actor_rollout_ref.rollout.enable_dynamic_rollouts=true",
-                             "actor_rollout_ref.actor.enable_entropy_balanced_clipping=true",
-                             "actor_rollout_ref.actor.enable_entropy_balanced_advantage=true"]}[a.algo]
-            cmd = [PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
-                   f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
-                   f"trainer.total_training_steps={rl_steps}", f"trainer.save_freq={max(1, rl_steps // 2)}",
-                   f"trainer.rollout_data_dir={rl_root / 'rollout'}",
-                   f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out / 'search_cache.sqlite'}",
-                   f"hydra.run.dir={rl_root / 'hydra'}", *algo,
-                   *(["data.max_prompt_length=384"] if a.tiny else []),  # the tiny tokenizer needs more tokens
-                   *a.overrides]
+            cmd = rl_command(sft_dir, rl_root, rl_steps, a.algo, out / "search_cache.sqlite", a.tiny, a.overrides)
             before = times.get("rl", 0.0) if resumed else 0.0
             try:
-                _run(cmd, logs / "rl.log", env, append=resumed)
+                run_logged(cmd, logs / "rl.log", env, append=resumed)
             finally:  # a crashed attempt's time counts too: the re-run resumes from its last checkpoint
                 ran("rl", time.perf_counter() - t0 + before)
         wall["rl"] = times.get("rl", 0.0)
@@ -307,8 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
         hf_dir = out / "rl_model_hf"
         if not done(hf_dir / "config.json"):
             t0 = time.perf_counter()
-            _run([PY, str(ROOT / "merge_ckpt" / "convert_verl_to_hf.py"), "--verl_checkpoint", str(rl_root),
-                  "--output_dir", str(hf_dir)], logs / "merge.log", env)
+            run_logged(merge_command(rl_root, hf_dir), logs / "merge.log", env)
             ran("merge", time.perf_counter() - t0)
         wall["merge"] = times.get("merge", 0.0)
         bar.advance(task)

@@ -108,7 +108,7 @@ def test_judge_against_local_http_server(judge_server, monkeypatch, caplog):
 # --------------------------------------------------------------------------- data loading
 def test_load_bundled_parquet_and_gaia_jsonl(tmp_path):
     rows = load_eval_rows(ROOT / "rl_datasets" / "test.parquet")
-    assert len(rows) == 150 and {r["data_source"] for r in rows} == {"arpo_toy_math", "arpo_toy_search", "arpo_toy_multi"}
+    assert len(rows) == 600 and {r["data_source"] for r in rows} == {"arpo_toy_math", "arpo_toy_search", "arpo_toy_multi"}
     assert rows[0]["messages"][0]["role"] == "system" and rows[0]["question"] == rows[0]["messages"][-1]["content"]
     gaia = tmp_path / "data" / "gaia" / "test.jsonl"
     gaia.parent.mkdir(parents=True)

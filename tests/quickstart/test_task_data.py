@@ -15,7 +15,7 @@ from verl_arpo.utils.reward_score import default_compute_score
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "rl_datasets"
-COUNTS = {"train": 200, "valid": 20, "test": 50}
+COUNTS = {"train": 200, "valid": 20, "test": 200}
 
 
 def _rows(split):
