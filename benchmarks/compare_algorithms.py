@@ -46,9 +46,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from verl_arpo.quickstart import (  # noqa: E402  (after the path set-up: runs as a script)
     ALGO_OVERRIDES,
     STAGE_ENV,
+    PRECISIONS,
     eval_args,
     eval_command,
     merge_command,
+    resolve_precision,
     rl_command,
     run_logged,
     say,
@@ -157,9 +159,9 @@ def write_atomic(path: Path, obj: Any) -> None:
 # --------------------------------------------------------------------------- the experiment
 class Experiment:
     def __init__(self, out: Path, rl_steps: int, sft_steps: int, test_limit: int | None, tiny: bool,
-                 overrides: list[str]):
+                 overrides: list[str], precision: str):
         self.out, self.rl_steps, self.sft_steps = out, rl_steps, sft_steps
-        self.test_limit, self.tiny, self.overrides = test_limit, tiny, overrides
+        self.test_limit, self.tiny, self.overrides, self.precision = test_limit, tiny, overrides, precision
         self.env = dict(STAGE_ENV)
 
     def base_model(self) -> Path:
@@ -183,10 +185,11 @@ class Experiment:
         sft_dir, report = self.out / "sft_model", self.out / "eval_sft.json"
         if not (sft_dir / "config.json").exists():
             shutil.rmtree(sft_dir, ignore_errors=True)
-            run_logged(sft_command(self.base_model(), sft_dir, self.sft_steps), self.out / "logs" / "sft.log", self.env)
+            run_logged(sft_command(self.base_model(), sft_dir, self.sft_steps, precision=self.precision),
+                       self.out / "logs" / "sft.log", self.env)
         if not report.exists():
             tmp = report.with_suffix(".tmp.json")
-            run_logged(eval_command(sft_dir, eval_args(self.test_limit), tmp), self.out / "logs" / "eval_sft.log",
+            run_logged(eval_command(sft_dir, eval_args(self.test_limit, self.precision), tmp), self.out / "logs" / "eval_sft.log",
                        self.env)
             os.replace(tmp, report)
         return sft_dir, json.loads(report.read_text())
@@ -203,15 +206,16 @@ class Experiment:
         logs = d / "logs"
         overrides = [*seed_overrides(pair), *self.overrides]
         t0 = time.perf_counter()
-        run_logged(rl_command(sft_dir, d / "rl", self.rl_steps, algo, d / "search_cache.sqlite", self.tiny, overrides),
-                   logs / "rl.log", self.env)
+        run_logged(rl_command(sft_dir, d / "rl", self.rl_steps, algo, d / "search_cache.sqlite", self.tiny, overrides,
+                              self.precision), logs / "rl.log", self.env)
         t_rl = time.perf_counter() - t0
         run_logged(merge_command(d / "rl", d / "rl_model_hf"), logs / "merge.log", self.env)
         t1 = time.perf_counter()
-        run_logged(eval_command(d / "rl_model_hf", eval_args(self.test_limit), d / "eval.json"), logs / "eval.log",
-                   self.env)
+        run_logged(eval_command(d / "rl_model_hf", eval_args(self.test_limit, self.precision), d / "eval.json"),
+                   logs / "eval.log", self.env)
         t_eval = time.perf_counter() - t1
-        result = {"algo": algo, "pair": pair, "overrides": [*ALGO_OVERRIDES[algo], *overrides],
+        result = {"algo": algo, "pair": pair, "precision": self.precision,
+                  "overrides": [*ALGO_OVERRIDES[algo], *overrides],
                   "rl_steps": self.rl_steps, "train": training_record(d / "rl" / "logs" / "metrics.jsonl",
                                                                       d / "rl" / "rollout"),
                   "eval": eval_record(json.loads((d / "eval.json").read_text())),
@@ -361,18 +365,36 @@ def write_report(out: Path, results_dir: Path | None, algos: tuple[str, ...], me
     return report
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _experiment_precision(out: Path, precision: str) -> str:
+    """The precision of the experiment in `out`: fixed by its first call (precision.txt), so a run
+    resumed on another machine never mixes bf16 and fp32 runs in one comparison."""
+    f = out / "precision.txt"
+    if f.exists() and f.read_text().strip() != precision:
+        raise SystemExit(f"{out} holds a {f.read_text().strip()} experiment; this call resolved --precision to "
+                         f"{precision}: pass --precision {f.read_text().strip()} (or a new --out)")
+    f.write_text(precision + "\n")
+    return precision
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=4, help="seed pairs (each trains every algorithm once)")
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated, from " + ", ".join(ALGO_OVERRIDES))
     p.add_argument("--rl_steps", type=int, default=None, help="RL steps per run (default: the quickstart's 13)")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "compare")
-    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"),
                    help="where the report is also written ('' = only --out)")
     p.add_argument("--report", action="store_true", help="only write the report from the finished runs")
     p.add_argument("--smoke", action="store_true", help="2 SFT and 2 RL steps, 30 test questions")
     p.add_argument("--tiny", action="store_true", help="the random tiny model (plumbing only)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="bf16 where the CPU has native bf16, else fp32 (auto); one precision for the whole experiment")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides for every RL run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = build_parser()
     a = p.parse_args(argv)
     algos = tuple(x for x in a.algos.split(",") if x)
     unknown = [x for x in algos if x not in ALGO_OVERRIDES]
@@ -383,12 +405,13 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"{bad[0]!r} is not a Hydra override: write KEY=VALUE")
-    results = Path(a.results) if str(a.results) else None
+    results = Path(a.results) if a.results else None
     a.out.mkdir(parents=True, exist_ok=True)
+    precision = _experiment_precision(a.out, resolve_precision(a.precision))
     exp = Experiment(a.out, a.rl_steps or (2 if a.smoke else 13), 2 if a.smoke else 12, 30 if a.smoke else None,
-                     a.tiny, a.overrides)
+                     a.tiny, a.overrides, precision)
     meta = {"machine": {"nproc": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
-            "rl_steps": exp.rl_steps, "overrides": a.overrides, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "rl_steps": exp.rl_steps, "precision": precision, "overrides": a.overrides, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if not a.report:
         sft_dir, _ = exp.sft()
         for pair in range(a.pairs):

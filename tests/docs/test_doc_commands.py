@@ -375,7 +375,18 @@ def check_convert(cmd: Command, args: list[str], tmp: Path) -> None:
         assert parsed.output_dir or parsed.test_hf_dir, f"{cmd.id}: needs --output_dir or --test_hf_dir"
 
 
+def check_compare_algorithms(cmd: Command, args: list[str], tmp: Path) -> None:
+    """Hours of training: the arguments go through its parser, and its Hydra overrides must compose."""
+    mod = load_script_module("benchmarks/compare_algorithms.py")
+    try:
+        parsed = mod.build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{cmd.id}: compare_algorithms.py rejects {args}")
+    assert set(parsed.algos.split(",")) <= set(mod.ALGO_OVERRIDES), cmd.id
+
+
 PY_SCRIPT_CHECKS = {
+    "benchmarks/compare_algorithms.py": check_compare_algorithms,
     "scripts/gen_config_docs.py": check_gen_config_docs,
     "merge_ckpt/convert_verl_to_hf.py": check_convert,
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["get_device_name", "get_dist_backend", "get_torch_device", "set_local_device"]
+__all__ = ["cpu_has_fast_bf16", "get_device_name", "get_dist_backend", "get_torch_device", "set_local_device"]
 
 
 def is_cuda_available() -> bool:
@@ -47,3 +47,28 @@ def set_local_device(local_rank: int) -> torch.device:
     index = int(local_rank) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+# CPU flags of a native bf16 matrix multiply: Intel AMX, or AVX-512 BF16 (Intel Cooper Lake and later,
+# AMD Zen 4 and later). Without them oneDNN emulates bf16 and a matmul is ~50x slower than in fp32
+# (AMD EPYC Zen 3, AVX2 only: 0.6 against 29 GFLOP/s on one thread, docs/performance.md).
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
+    """True when this CPU multiplies bf16 matrices natively (one of `_BF16_FLAGS` in /proc/cpuinfo).
+    bf16 compute then pays on the CPU (1.3-2x fp32 with AMX); without it, bf16 is emulated and far
+    slower than fp32, so CPU runs should compute in fp32. Decided from the flags, not by timing, so
+    the same machine always picks the same precision (and so the same numbers). Where the flags
+    cannot be read (not Linux) the answer is False: fp32 is never the slow choice."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return any(f in flags for f in _BF16_FLAGS)

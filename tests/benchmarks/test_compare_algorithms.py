@@ -1,0 +1,217 @@
+"""benchmarks/compare_algorithms.py: the paired bootstrap against a plain reference loop, one run's
+training record from real metrics and rollout-dump files, the report from finished runs only, and
+(slow) the whole experiment on the tiny model, killed and resumed."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import compare_algorithms as ca  # noqa: E402
+
+
+# --------------------------------------------------------------------------- the bootstrap
+def _reference_bootstrap(diff, n_boot, seed):
+    """A plain loop: draw K pairs and Q questions with replacement, average diff over the grid."""
+    rng = random.Random(seed)
+    k, q = len(diff), len(diff[0])
+    means = []
+    for _ in range(n_boot):
+        ks = [rng.randrange(k) for _ in range(k)]
+        qs = [rng.randrange(q) for _ in range(q)]
+        means.append(sum(diff[a][b] for a in ks for b in qs) / (k * q))
+    means.sort()
+    return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
+
+
+def test_bootstrap_matches_a_plain_loop_over_questions_and_pairs():
+    rng = np.random.default_rng(1)
+    # 3 seed pairs x 120 questions, the pairs differ in their mean (0.05, 0.10, 0.15): both sources of spread
+    diff = np.stack([rng.choice([-1.0, 0.0, 1.0], size=120, p=[0.1, 0.9 - 0.1 - m, 0.1 + m])
+                     for m in (0.05, 0.10, 0.15)])
+    mean, lo, hi = ca.paired_bootstrap(diff, n_boot=3000)
+    ref_lo, ref_hi = _reference_bootstrap(diff.tolist(), 3000, seed=7)
+    assert mean == pytest.approx(diff.mean())
+    assert lo < mean < hi
+    # two independent Monte-Carlo estimates of the same percentiles: they agree to the resampling error
+    assert lo == pytest.approx(ref_lo, abs=0.012) and hi == pytest.approx(ref_hi, abs=0.012)
+
+
+def test_one_pair_is_the_paired_bootstrap_over_questions():
+    """K = 1: the interval is the usual one for a paired mean, ±1.96·sd/√n (n = 600 here)."""
+    rng = np.random.default_rng(2)
+    d = rng.choice([-1.0, 0.0, 1.0], size=600, p=[0.08, 0.77, 0.15])
+    mean, lo, hi = ca.paired_bootstrap(d[None, :])
+    half = 1.96 * d.std(ddof=1) / math.sqrt(len(d))
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
+    assert (lo + hi) / 2 == pytest.approx(mean, abs=0.01)
+
+
+def test_a_constant_difference_has_no_spread_and_the_seed_repeats():
+    assert ca.paired_bootstrap(np.full((2, 50), 0.25)) == (0.25, 0.25, 0.25)
+    d = np.random.default_rng(3).integers(-1, 2, size=(2, 80)).astype(float)
+    assert ca.paired_bootstrap(d) == ca.paired_bootstrap(d)
+
+
+# --------------------------------------------------------------------------- one run's record
+def _write_run(d: Path, steps: list[dict], trajectories: int) -> tuple[Path, Path]:
+    (d / "rollout").mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for m in steps:
+            f.write(json.dumps(m) + "\n")
+    for m in steps:
+        (d / "rollout" / f"rollout_{m['step']}.jsonl").write_text("".join("{}\n" for _ in range(trajectories)))
+    return d / "metrics.jsonl", d / "rollout"
+
+
+def test_training_record_counts_executed_calls_per_trajectory(tmp_path):
+    steps = [
+        {"step": 1, "critic/score/mean": 0.1, "tools/python/calls": 5.0, "tools/search/calls": 7.0,
+         "tools/calls_per_traj": 1.5, "rollout/branches": 4.0, "rollout/tokens_generated": 900.0,
+         "perf/total_num_tokens": 5000.0, "timing_s/step": 40.0, "timing_s/gen": 15.0},
+        # a resumed run logs step 2 twice: the last line counts
+        {"step": 2, "critic/score/mean": 0.9, "tools/python/calls": 100.0},
+        {"step": 2, "critic/score/mean": 0.3, "tools/python/calls": 3.0, "tools/search/calls": 3.0,
+         "tools/python/successes": 3.0, "tools/calls_per_traj": 0.5, "rollout/branches": 2.0,
+         "rollout/tokens_generated": 700.0, "perf/total_num_tokens": 4000.0, "timing_s/step": 50.0,
+         "timing_s/gen": 25.0},
+    ]
+    rec = ca.training_record(*_write_run(tmp_path, steps, trajectories=24))
+    assert rec["steps"] == 2 and rec["trajectories_per_step"] == 24
+    assert rec["per_step"]["reward"] == [0.1, 0.3]
+    assert rec["per_step"]["executed_tool_calls_per_traj"] == [12 / 24, 6 / 24]  # successes are not calls
+    assert rec["mean"]["executed_tool_calls_per_traj"] == pytest.approx((12 / 24 + 6 / 24) / 2)
+    assert rec["mean"]["tool_calls_in_traj_per_traj"] == pytest.approx(1.0)
+    assert rec["mean"]["branches"] == 3.0 and rec["mean"]["tokens_generated"] == 800.0
+    assert rec["mean"]["step_s"] == 45.0 and rec["mean"]["rollout_s"] == 20.0
+    assert rec["mean"]["entropy_before_tools"] is None  # not logged: no number is made up
+
+
+def test_training_record_refuses_a_run_that_logged_nothing(tmp_path):
+    with pytest.raises(ValueError, match="no training step was logged"):
+        ca.training_record(*_write_run(tmp_path, [], trajectories=4))
+
+
+# --------------------------------------------------------------------------- the report
+QUESTIONS = [f"q{i}" for i in range(6)]
+KIND_OF = ["arithmetic", "lookup", "two-step"] * 2
+
+
+def _eval_report(correct, calls=1.0):
+    sources = {v: k for k, v in ca.KINDS.items()}
+    samples = [{"question": q, "data_source": sources[k], "samples": [{"correct": bool(c)}]}
+               for q, k, c in zip(QUESTIONS, KIND_OF, correct)]
+    per = {sources[k]: {"accuracy": float(np.mean([c for c, kk in zip(correct, KIND_OF) if kk == k]))}
+           for k in ca.KINDS.values()}
+    return {"overall": {"accuracy": float(np.mean(correct)), "tool_calls_per_question": calls},
+            "per_data_source": per, "samples": samples}
+
+
+def _result(algo, pair, correct, executed):
+    return {"algo": algo, "pair": pair, "eval": ca.eval_record(_eval_report(correct)),
+            "train": {"per_step": {"reward": [0.1, 0.2]},
+                      "mean": {"executed_tool_calls_per_traj": executed, "branches": 1.0, "tokens_generated": 10.0,
+                               "tokens_trained": 20.0, "step_s": 3.0, "entropy_before_tools": None}},
+            "wall_s": {"rl": 60.0, "eval": 5.0}}
+
+
+def test_report_pairs_runs_compares_with_grpo_and_skips_unfinished_pairs(tmp_path):
+    sft = [1, 0, 0, 1, 0, 0]
+    runs = {("grpo", 0): _result("grpo", 0, [1, 1, 0, 1, 0, 0], executed=1.0),
+            ("arpo", 0): _result("arpo", 0, [1, 1, 1, 1, 0, 0], executed=0.5),
+            ("grpo", 1): _result("grpo", 1, [1, 0, 0, 1, 1, 0], executed=2.0),
+            ("arpo", 1): _result("arpo", 1, [1, 1, 0, 1, 1, 1], executed=0.5),
+            ("grpo", 2): _result("grpo", 2, [1, 1, 1, 1, 1, 1], executed=9.0)}  # pair 2: ARPO never finished
+    rep = ca.build_report(_eval_report(sft), runs, ("grpo", "arpo"))
+    assert rep["pairs"] == [0, 1] and rep["n_questions"] == 6
+    arpo = rep["algos"]["arpo"]
+    assert arpo["accuracy"][0] == pytest.approx((4 + 5) / 12)
+    assert arpo["gain_over_sft"][0] == pytest.approx((4 + 5) / 12 - 2 / 6)
+    assert arpo["per_kind"]["two-step"] == pytest.approx((0.5 + 0.5) / 2)
+    vs = rep["vs_baseline"]["arpo"]
+    assert vs["accuracy_delta"][0] == pytest.approx(((4 - 3) + (5 - 3)) / 12)
+    assert vs["executed_tool_calls_ratio"] == pytest.approx(0.5 / 1.5)   # ratio of the means over pairs
+    assert vs["executed_tool_calls_ratio_per_pair"] == pytest.approx([0.5, 0.25])
+    assert rep["algos"]["grpo"]["train"]["executed_tool_calls_per_traj"] == (1.5, 1.0, 2.0)  # pair 2 left out
+    md = ca.markdown(rep)
+    assert "| ARPO |" in md and "× 0.33" in md and "Seed pairs: 2 (0, 1)" in md
+    ca.picture(rep, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_run_on_other_questions_is_refused():
+    other = _result("arpo", 0, [1] * 6, 1.0)
+    other["eval"]["questions"] = list(reversed(QUESTIONS))
+    runs = {("grpo", 0): _result("grpo", 0, [1] * 6, 1.0), ("arpo", 0): other}
+    with pytest.raises(ValueError, match="other questions than the SFT model"):
+        ca.build_report(_eval_report([0] * 6), runs, ("grpo", "arpo"))
+
+
+def test_finished_runs_ignores_half_written_ones(tmp_path):
+    done = tmp_path / "runs" / "grpo_pair0"
+    done.mkdir(parents=True)
+    ca.write_atomic(done / "result.json", _result("grpo", 0, [1] * 6, 1.0))
+    half = tmp_path / "runs" / "arpo_pair0"
+    half.mkdir()
+    (half / "result.json.tmp").write_text('{"algo": "arpo", "pa')  # killed mid-write
+    assert list(ca.finished_runs(tmp_path)) == [("grpo", 0)]
+    assert ca.complete_pairs(ca.finished_runs(tmp_path), ("grpo", "arpo")) == []
+
+
+def test_seed_pairs_start_at_the_quickstarts_seeds():
+    import yaml
+
+    base = yaml.safe_load((ROOT / "configs" / "ppo_trainer.yaml").read_text())
+    assert ca.seed_overrides(0) == [f"data.seed={base['data']['seed']}",
+                                    f"actor_rollout_ref.rollout.seed={base['actor_rollout_ref']['rollout']['seed']}"]
+    assert ca.seed_overrides(2) == ["data.seed=3", "actor_rollout_ref.rollout.seed=2"]
+
+
+def test_bad_arguments_are_refused(capsys):
+    for argv, msg in ((["--algos", "grpo,ppo2"], "--algos: unknown ['ppo2']"),
+                      (["--algos", "arpo,aepo"], "must include the baseline 'grpo'"),
+                      (["lr"], "'lr' is not a Hydra override")):
+        with pytest.raises(SystemExit):
+            ca.main(["--out", "/nonexistent/never-made", *argv])
+        assert msg in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
+    out, results = tmp_path / "cmp", tmp_path / "results"
+    env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache"), "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_algorithms.py"), "--tiny", "--smoke", "--pairs", "1",
+           "--algos", "grpo,arpo", "--out", str(out), "--results", str(results),
+           "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((results / "compare_algorithms.json").read_text())
+    assert rep["pairs"] == [0] and set(rep["algos"]) == {"grpo", "arpo"} and rep["n_questions"] == 30
+    grpo = json.loads((out / "runs" / "grpo_pair0" / "result.json").read_text())
+    assert grpo["train"]["steps"] == 2 and grpo["train"]["trajectories_per_step"] == 3 * 4
+    assert "data.seed=1" in grpo["overrides"] and "actor_rollout_ref.rollout.initial_rollouts=null" in grpo["overrides"]
+    assert (results / "compare_algorithms.png").stat().st_size > 0 and "| GRPO |" in (results / "compare_algorithms.md").read_text()
+    # kill ARPO's run (its completion marker is gone, a stray file is left): a re-run redoes ARPO from
+    # scratch and reuses GRPO and the SFT model untouched
+    (out / "runs" / "arpo_pair0" / "result.json").unlink()
+    (out / "runs" / "arpo_pair0" / "stray.txt").write_text("half-written")
+    kept = {p: p.stat().st_mtime_ns for p in (out / "runs" / "grpo_pair0" / "result.json", out / "eval_sft.json")}
+    r2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    assert "arpo_pair0: half-done (no result.json), starting it over" in r2.stdout
+    assert not (out / "runs" / "arpo_pair0" / "stray.txt").exists()
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    assert "sft: started" not in r2.stdout and "grpo_pair0" not in r2.stdout
+    # the same seed pair gives the same run: ARPO's redo matches its first run to the bit
+    rep2 = json.loads((results / "compare_algorithms.json").read_text())
+    assert rep2["algos"]["arpo"]["accuracy"] == rep["algos"]["arpo"]["accuracy"]
+    assert rep2["algos"]["arpo"]["reward_curves"] == rep["algos"]["arpo"]["reward_curves"]
