@@ -500,6 +500,23 @@ class RayPPOTrainer:
                                f"checkpoint: {where}; restart with trainer.resume_mode=auto to continue") from e
 
 
+def slow_bf16_keys(config: JobConfig, fast_bf16: bool | None = None) -> list[str]:
+    """Warnings for the keys that compute in bf16 on a CPU without native bf16, where a bf16 matmul
+    is emulated and ~50x slower than fp32 (docs/performance.md, "Precision on the CPU"). The run
+    still goes ahead: the numbers are right, only slow."""
+    from verl_arpo.utils.device import cpu_has_fast_bf16
+
+    if config.trainer.device != "cpu" or (cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16):
+        return []
+    arr = config.actor_rollout_ref
+    keys = {"actor_rollout_ref.rollout.dtype": arr.rollout.dtype,
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype":
+                (arr.actor.fsdp_config.mixed_precision or {}).get("param_dtype")}
+    return [f"{key}={value}: this CPU has no native bf16 matmul (no amx_bf16 / avx512_bf16 flag), so bf16 "
+            f"compute is emulated and ~50x slower than fp32; set {key}=float32" for key, value in keys.items()
+            if value in ("bfloat16", "bf16")]
+
+
 def run_ppo(config, keep_workers: bool = False):
     """Build datasets, reward managers and the trainer from a validated config, then train.
 
@@ -512,6 +529,8 @@ def run_ppo(config, keep_workers: bool = False):
     from verl_arpo.utils.reward_manager import load_reward_manager
 
     config = JobConfig.from_mapping(normalize_config(config))
+    for line in slow_bf16_keys(config):
+        logger.warning(line)
     model_path = config.actor_rollout_ref.model.path
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or model_path)
     train_ds = RLHFDataset(config.data.train_files, tokenizer, config.data)
