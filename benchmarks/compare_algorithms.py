@@ -19,7 +19,13 @@ Layout of --out (default outputs/compare):
                                    eval.json, logs/
   runs/<algo>_pair<k>/result.json  written last and atomically: a run folder without it is half-done, and
                                    is deleted and run again from scratch (never resumed, never reported)
-  compare_algorithms.json/.md/.png the report (also written to benchmarks/results/)
+and in --results (default benchmarks/results, committed):
+  compare_algorithms/sft.json      the SFT model's sha256, the precision and its evaluation
+  compare_algorithms/<algo>_pair<k>.json   every finished run (the report is built from these alone), so
+                                   a fresh clone continues the experiment: it trains the SFT model again
+                                   and runs only the pairs not stored; a store from another SFT model or
+                                   precision is refused, never mixed in
+  compare_algorithms.json/.md/.png the report
 
 Intervals: paired bootstrap over questions x seed pairs (resample the pairs, and the questions
 within them, 4000 times; the 2.5th and 97.5th percentiles of the mean difference).
@@ -156,6 +162,56 @@ def write_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over a model folder's weight files (names and bytes): which SFT model a run started from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+class Store:
+    """The finished runs of one experiment (one SFT model, one precision), as small JSON files that
+    can be committed: the report is built from them alone, and a later call on another clone skips
+    the runs they hold."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def bind(self, sft_sha: str, precision: str, sft_eval: dict) -> None:
+        """Tie the store to this SFT model and precision; refuse one that holds another experiment's runs."""
+        f = self.root / "sft.json"
+        if f.exists():
+            held = json.loads(f.read_text())
+            if (held["sft_sha256"], held["precision"]) != (sft_sha, precision):
+                raise SystemExit(
+                    f"{self.root} holds the runs of another experiment (SFT {held['sft_sha256'][:12]}, "
+                    f"{held['precision']}); this one is SFT {sft_sha[:12]}, {precision}. Their runs cannot be "
+                    "paired: pass --precision " + held["precision"] + " if only the precision differs, or move "
+                    f"{self.root} away (or pass another --results) to start a new experiment")
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_atomic(f, {"sft_sha256": sft_sha, "precision": precision, "eval": sft_eval})
+
+    def sft(self) -> dict:
+        return json.loads((self.root / "sft.json").read_text())
+
+    def get(self, algo: str, pair: int) -> dict | None:
+        f = self.root / f"{algo}_pair{pair}.json"
+        return json.loads(f.read_text()) if f.exists() else None
+
+    def put(self, result: dict) -> None:
+        write_atomic(self.root / f"{result['algo']}_pair{result['pair']}.json", result)
+
+    def runs(self) -> dict[tuple[str, int], dict]:
+        return {(r["algo"], r["pair"]): r for r in (json.loads(p.read_text()) for p in sorted(self.root.glob("*_pair*.json")))}
+
+
 # --------------------------------------------------------------------------- the experiment
 class Experiment:
     def __init__(self, out: Path, rl_steps: int, sft_steps: int, test_limit: int | None, tiny: bool,
@@ -194,12 +250,17 @@ class Experiment:
             os.replace(tmp, report)
         return sft_dir, json.loads(report.read_text())
 
-    def run(self, algo: str, pair: int, sft_dir: Path) -> dict:
-        """One RL run, merged and evaluated; result.json is its completion marker."""
+    def run(self, algo: str, pair: int, sft_dir: Path, store: Store, sft_sha: str) -> dict:
+        """One RL run, merged and evaluated; result.json is its completion marker, and the store gets a copy."""
+        stored = store.get(algo, pair)
+        if stored is not None:
+            return stored
         d = self.out / "runs" / f"{algo}_pair{pair}"
         done = d / "result.json"
-        if done.exists():
-            return json.loads(done.read_text())
+        if done.exists():  # finished here before the store had it (this --out's SFT model: `sft_sha`)
+            result = {**json.loads(done.read_text()), "sft_sha256": sft_sha}
+            store.put(result)
+            return result
         if d.exists():  # a killed run: start it over, its partial numbers never reach the report
             say(f"{d.name}: half-done (no result.json), starting it over")
             shutil.rmtree(d)
@@ -214,7 +275,7 @@ class Experiment:
         run_logged(eval_command(d / "rl_model_hf", eval_args(self.test_limit, self.precision), d / "eval.json"),
                    logs / "eval.log", self.env)
         t_eval = time.perf_counter() - t1
-        result = {"algo": algo, "pair": pair, "precision": self.precision,
+        result = {"algo": algo, "pair": pair, "precision": self.precision, "sft_sha256": sft_sha,
                   "overrides": [*ALGO_OVERRIDES[algo], *overrides],
                   "rl_steps": self.rl_steps, "train": training_record(d / "rl" / "logs" / "metrics.jsonl",
                                                                       d / "rl" / "rollout"),
@@ -223,23 +284,20 @@ class Experiment:
                   "load_avg_end": list(os.getloadavg())}
         shutil.rmtree(d / "rl_model_hf")  # 0.5 GB a run; the eval report and the checkpoint stay
         write_atomic(done, result)
+        store.put(result)
         return result
 
 
 # --------------------------------------------------------------------------- the report
-def finished_runs(out: Path) -> dict[tuple[str, int], dict]:
-    return {(r["algo"], r["pair"]): r for r in (json.loads(p.read_text()) for p in sorted(out.glob("runs/*/result.json")))}
-
-
 def complete_pairs(runs: dict[tuple[str, int], dict], algos: tuple[str, ...]) -> list[int]:
     """Seed pairs for which every algorithm has finished: only these enter the comparison."""
     pairs = sorted({p for _, p in runs})
     return [p for p in pairs if all((a, p) in runs for a in algos)]
 
 
-def build_report(sft_eval: dict, runs: dict[tuple[str, int], dict], algos: tuple[str, ...]) -> dict[str, Any]:
+def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str, ...]) -> dict[str, Any]:
+    """The comparison over the pairs every algorithm finished; `sft` is the SFT model's eval_record."""
     pairs = complete_pairs(runs, algos)
-    sft = eval_record(sft_eval)
     report: dict[str, Any] = {"pairs": pairs, "n_questions": len(sft["correct"]), "sft": {
         "accuracy": sft["accuracy"], "per_kind": sft["per_kind"], "tool_calls_per_question": sft["tool_calls_per_question"]},
         "algos": {}, "vs_baseline": {}}
@@ -351,10 +409,11 @@ def picture(report: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, results_dir: Path | None, algos: tuple[str, ...], meta: dict) -> dict:
-    report = {**build_report(json.loads((out / "eval_sft.json").read_text()), finished_runs(out), algos), **meta}
+def write_report(store: Store, targets: list[Path], algos: tuple[str, ...], meta: dict) -> dict:
+    sft = store.sft()
+    report = {**build_report(sft["eval"], store.runs(), algos), **meta, "precision": sft["precision"],
+              "sft_sha256": sft["sft_sha256"]}
     md = markdown(report)
-    targets = [out] + ([results_dir] if results_dir else [])
     for d in targets:
         d.mkdir(parents=True, exist_ok=True)
         write_atomic(d / "compare_algorithms.json", report)
@@ -365,30 +424,19 @@ def write_report(out: Path, results_dir: Path | None, algos: tuple[str, ...], me
     return report
 
 
-def _experiment_precision(out: Path, precision: str) -> str:
-    """The precision of the experiment in `out`: fixed by its first call (precision.txt), so a run
-    resumed on another machine never mixes bf16 and fp32 runs in one comparison."""
-    f = out / "precision.txt"
-    if f.exists() and f.read_text().strip() != precision:
-        raise SystemExit(f"{out} holds a {f.read_text().strip()} experiment; this call resolved --precision to "
-                         f"{precision}: pass --precision {f.read_text().strip()} (or a new --out)")
-    f.write_text(precision + "\n")
-    return precision
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=4, help="seed pairs (each trains every algorithm once)")
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated, from " + ", ".join(ALGO_OVERRIDES))
     p.add_argument("--rl_steps", type=int, default=None, help="RL steps per run (default: the quickstart's 13)")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "compare")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"),
-                   help="where the report is also written ('' = only --out)")
-    p.add_argument("--report", action="store_true", help="only write the report from the finished runs")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
+                   help="the finished runs (compare_algorithms/) and the report; commit them")
+    p.add_argument("--report", action="store_true", help="only write the report from the stored runs")
     p.add_argument("--smoke", action="store_true", help="2 SFT and 2 RL steps, 30 test questions")
     p.add_argument("--tiny", action="store_true", help="the random tiny model (plumbing only)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="bf16 where the CPU has native bf16, else fp32 (auto); one precision for the whole experiment")
+                   help="bf16 where the CPU has native bf16, else fp32 (auto); one per experiment (the store refuses a mix)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides for every RL run")
     return p
 
@@ -405,22 +453,27 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"{bad[0]!r} is not a Hydra override: write KEY=VALUE")
-    results = Path(a.results) if a.results else None
+    results = Path(a.results)
+    store = Store(results / "compare_algorithms")
+    meta = {"machine": {"nproc": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
+            "overrides": a.overrides, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if a.report:
+        if not (store.root / "sft.json").exists():
+            p.error(f"--report: {store.root} holds no experiment yet")
+        return write_report(store, [results, a.out], algos, meta)
     a.out.mkdir(parents=True, exist_ok=True)
-    precision = _experiment_precision(a.out, resolve_precision(a.precision))
+    precision = resolve_precision(a.precision)
     exp = Experiment(a.out, a.rl_steps or (2 if a.smoke else 13), 2 if a.smoke else 12, 30 if a.smoke else None,
                      a.tiny, a.overrides, precision)
-    meta = {"machine": {"nproc": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
-            "rl_steps": exp.rl_steps, "precision": precision, "overrides": a.overrides, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if not a.report:
-        sft_dir, _ = exp.sft()
-        for pair in range(a.pairs):
-            for algo in algos:
-                exp.run(algo, pair, sft_dir)
-                write_report(a.out, results, algos, meta)  # after every run: a partial experiment reports too
-    elif not (a.out / "eval_sft.json").exists():
-        p.error(f"--report: {a.out} holds no finished SFT evaluation yet")
-    return write_report(a.out, results, algos, meta)
+    meta["rl_steps"] = exp.rl_steps
+    sft_dir, sft_report = exp.sft()
+    sft_sha = weights_sha256(sft_dir)
+    store.bind(sft_sha, precision, eval_record(sft_report))
+    for pair in range(a.pairs):
+        for algo in algos:
+            exp.run(algo, pair, sft_dir, store, sft_sha)
+            write_report(store, [results, a.out], algos, meta)  # after every run: a partial experiment reports too
+    return write_report(store, [results, a.out], algos, meta)
 
 
 if __name__ == "__main__":

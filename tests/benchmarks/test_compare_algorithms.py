@@ -130,7 +130,7 @@ def test_report_pairs_runs_compares_with_grpo_and_skips_unfinished_pairs(tmp_pat
             ("grpo", 1): _result("grpo", 1, [1, 0, 0, 1, 1, 0], executed=2.0),
             ("arpo", 1): _result("arpo", 1, [1, 1, 0, 1, 1, 1], executed=0.5),
             ("grpo", 2): _result("grpo", 2, [1, 1, 1, 1, 1, 1], executed=9.0)}  # pair 2: ARPO never finished
-    rep = ca.build_report(_eval_report(sft), runs, ("grpo", "arpo"))
+    rep = ca.build_report(ca.eval_record(_eval_report(sft)), runs, ("grpo", "arpo"))
     assert rep["pairs"] == [0, 1] and rep["n_questions"] == 6
     arpo = rep["algos"]["arpo"]
     assert arpo["accuracy"][0] == pytest.approx((4 + 5) / 12)
@@ -152,18 +152,34 @@ def test_a_run_on_other_questions_is_refused():
     other["eval"]["questions"] = list(reversed(QUESTIONS))
     runs = {("grpo", 0): _result("grpo", 0, [1] * 6, 1.0), ("arpo", 0): other}
     with pytest.raises(ValueError, match="other questions than the SFT model"):
-        ca.build_report(_eval_report([0] * 6), runs, ("grpo", "arpo"))
+        ca.build_report(ca.eval_record(_eval_report([0] * 6)), runs, ("grpo", "arpo"))
 
 
-def test_finished_runs_ignores_half_written_ones(tmp_path):
-    done = tmp_path / "runs" / "grpo_pair0"
-    done.mkdir(parents=True)
-    ca.write_atomic(done / "result.json", _result("grpo", 0, [1] * 6, 1.0))
-    half = tmp_path / "runs" / "arpo_pair0"
-    half.mkdir()
-    (half / "result.json.tmp").write_text('{"algo": "arpo", "pa')  # killed mid-write
-    assert list(ca.finished_runs(tmp_path)) == [("grpo", 0)]
-    assert ca.complete_pairs(ca.finished_runs(tmp_path), ("grpo", "arpo")) == []
+def test_the_store_holds_finished_runs_of_one_experiment_only(tmp_path):
+    store = ca.Store(tmp_path / "compare_algorithms")
+    sft = ca.eval_record(_eval_report([1, 0, 0, 1, 0, 0]))
+    store.bind("a" * 64, "fp32", sft)
+    store.put(_result("grpo", 0, [1] * 6, 1.0))
+    (store.root / "arpo_pair0.json.tmp").write_text('{"algo": "arpo", "pa')  # killed mid-write
+    assert list(store.runs()) == [("grpo", 0)] and store.get("arpo", 0) is None
+    assert ca.complete_pairs(store.runs(), ("grpo", "arpo")) == []
+    store.bind("a" * 64, "fp32", sft)  # the same experiment again: accepted, nothing rewritten
+    assert store.sft()["eval"] == sft
+    for sha, precision in (("b" * 64, "fp32"), ("a" * 64, "bf16")):  # another SFT model, another precision
+        with pytest.raises(SystemExit, match="holds the runs of another experiment"):
+            store.bind(sha, precision, sft)
+
+
+def test_weights_sha256_follows_every_weight_byte(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "config.json").write_text("{}")
+    sha = ca.weights_sha256(tmp_path)
+    (tmp_path / "config.json").write_text('{"x": 1}')  # not a weight
+    assert ca.weights_sha256(tmp_path) == sha
+    w = bytearray((tmp_path / "model.safetensors").read_bytes())
+    w[100] ^= 1
+    (tmp_path / "model.safetensors").write_bytes(bytes(w))
+    assert ca.weights_sha256(tmp_path) != sha
 
 
 def test_seed_pairs_start_at_the_quickstarts_seeds():
@@ -196,15 +212,18 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((results / "compare_algorithms.json").read_text())
     assert rep["pairs"] == [0] and set(rep["algos"]) == {"grpo", "arpo"} and rep["n_questions"] == 30
-    grpo = json.loads((out / "runs" / "grpo_pair0" / "result.json").read_text())
+    grpo = json.loads((results / "compare_algorithms" / "grpo_pair0.json").read_text())
+    assert grpo == {**json.loads((out / "runs" / "grpo_pair0" / "result.json").read_text())}
     assert grpo["train"]["steps"] == 2 and grpo["train"]["trajectories_per_step"] == 3 * 4
     assert "data.seed=1" in grpo["overrides"] and "actor_rollout_ref.rollout.initial_rollouts=null" in grpo["overrides"]
     assert (results / "compare_algorithms.png").stat().st_size > 0 and "| GRPO |" in (results / "compare_algorithms.md").read_text()
     # kill ARPO's run (its completion marker is gone, a stray file is left): a re-run redoes ARPO from
     # scratch and reuses GRPO and the SFT model untouched
     (out / "runs" / "arpo_pair0" / "result.json").unlink()
+    (results / "compare_algorithms" / "arpo_pair0.json").unlink()
     (out / "runs" / "arpo_pair0" / "stray.txt").write_text("half-written")
-    kept = {p: p.stat().st_mtime_ns for p in (out / "runs" / "grpo_pair0" / "result.json", out / "eval_sft.json")}
+    kept = {p: p.stat().st_mtime_ns for p in (out / "runs" / "grpo_pair0" / "result.json", out / "eval_sft.json",
+                                              results / "compare_algorithms" / "grpo_pair0.json")}
     r2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert "arpo_pair0: half-done (no result.json), starting it over" in r2.stdout
@@ -215,3 +234,10 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     rep2 = json.loads((results / "compare_algorithms.json").read_text())
     assert rep2["algos"]["arpo"]["accuracy"] == rep["algos"]["arpo"]["accuracy"]
     assert rep2["algos"]["arpo"]["reward_curves"] == rep["algos"]["arpo"]["reward_curves"]
+    # a fresh clone (a new --out, the committed store): the SFT model is trained again, is the same
+    # model (same sha256), and every stored run is reused: nothing is trained
+    r3 = subprocess.run([*cmd[:cmd.index("--out") + 1], str(tmp_path / "fresh"), *cmd[cmd.index("--out") + 2:]],
+                        cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    assert r3.returncode == 0, r3.stdout[-3000:] + r3.stderr[-3000:]
+    assert "sft: started" in r3.stdout and "rl: started" not in r3.stdout
+    assert json.loads((results / "compare_algorithms.json").read_text())["algos"] == rep2["algos"]
