@@ -117,14 +117,15 @@ def last_per_step(metrics_file: Path) -> list[dict]:
 def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
     """Per-step training numbers of one run: executed tool calls (every tool's `calls` counter, summed
     over ranks) per trajectory, tool calls counted in the trajectories (a branch inherits its
-    prefix's), branches, generated tokens (the engine's new tokens, tool results excluded), trained
+    prefix's), branches and the branch rule's draws (branches / draws = how often it fires), generated tokens (the engine's new tokens, tool results excluded), trained
     tokens (prompt + response rows of the update's batch), step and rollout seconds, and the entropy
     around tool calls (ARPO's branching signal)."""
     steps = last_per_step(metrics_file)
     if not steps:
         raise ValueError(f"{metrics_file}: no training step was logged")
     out: dict[str, list[float]] = {k: [] for k in (
-        "reward", "executed_tool_calls_per_traj", "tool_calls_in_traj_per_traj", "branches", "tokens_generated",
+        "reward", "executed_tool_calls_per_traj", "tool_calls_in_traj_per_traj", "branches", "branch_draws",
+        "tokens_generated",
         "tokens_trained", "step_s", "rollout_s", "update_s", "entropy_before_tools", "entropy_after_tools")}
     for m in steps:
         with open(rollout_dir / f"rollout_{m['step']}.jsonl") as f:
@@ -134,6 +135,7 @@ def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
         out["executed_tool_calls_per_traj"].append(executed / trajectories)
         out["tool_calls_in_traj_per_traj"].append(m.get("tools/calls_per_traj", 0.0))
         out["branches"].append(m.get("rollout/branches", 0.0))
+        out["branch_draws"].append(m.get("rollout/branch_draws", float("nan")))  # logged from this commit on
         out["tokens_generated"].append(m.get("rollout/tokens_generated", 0.0))
         out["tokens_trained"].append(m.get("perf/total_num_tokens", 0.0))
         out["step_s"].append(m.get("timing_s/step", 0.0))

@@ -4,8 +4,8 @@
 # Python sandbox and a local search engine → merge to HF → evaluation of base, SFT and RL models.
 # Writes outputs/quickstart/summary.json and reward_curve.png. Re-running reuses finished stages.
 #
-#   bash scripts/quickstart.sh              # the full run (18.3 min on 2 idle CPU cores after set-up, peak worker
-#                                           # RSS 3.8 GB, RL gain +0.093 [+0.021, +0.166]; 2026-11-24, README)
+#   bash scripts/quickstart.sh              # the full run: bf16 where the CPU has native bf16 (AMX), else fp32
+#                                           # (--precision bf16|fp32 forces one); times and results: docs/results.md
 #   bash scripts/quickstart.sh --smoke      # a short run (a few steps, 30 test questions)
 #   bash scripts/quickstart.sh --tiny       # the random tiny model (plumbing only)
 #   bash scripts/quickstart.sh --algo aepo  # AEPO instead of ARPO (also: grpo)
