@@ -23,7 +23,7 @@ import torch
 from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
-from verl_arpo.utils.device import get_device_name, set_local_device
+from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
 from verl_arpo.workers.training_core import (
     HOST_MEMORY,
@@ -163,7 +163,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                  max_model_len=rcfg.max_model_len or int(rcfg.prompt_length) + int(rcfg.response_length),
                                  enforce_eager=bool(rcfg.enforce_eager), load_format=str(rcfg.load_format),
                                  max_num_seqs=int(rcfg.max_num_seqs),
-                                 max_num_batched_tokens=int(rcfg.max_num_batched_tokens))
+                                 max_num_batched_tokens=int(rcfg.max_num_batched_tokens),
+                                 # the sync re-streams every weight (LoRA merged in): nothing to keep asleep
+                                 sleep_level=2)
         self.engine = build_engine(name, path, self.tokenizer, **engine_kwargs)
         # tools after the engine: bm25s (local search) loads numba, and vLLM 0.32 fails to start after it
         self.tool_executor = ToolExecutor.from_config(rcfg.tools)
@@ -216,10 +218,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         with torch.no_grad(), HOST_MEMORY.phase("weight_sync"):
             plan = self._weight_plan()
             self.engine.check_weight_names([name for name, _, _ in plan])
+            release_device_cache(self.device)  # the update's cached blocks go back before vLLM wakes its weights
             self.engine.update_weights(self._full_named_params(plan, getattr(self.engine, "weight_dtype", None)))
         maybe_reshard(self.actor_module)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_cache(self.device)
 
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -227,6 +229,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         if self.engine.weights_discarded:  # an update without its sync (the trainer always syncs)
             self._sync_rollout_weights()
         with HOST_MEMORY.phase("rollout"):
+            release_device_cache(self.device)  # before vLLM allocates its KV cache outside torch's allocator
             self.engine.wake()
             out = self.agent_loop.generate_sequences(prompts)
             if self.config.rollout.free_cache_engine:  # free the KV cache (vLLM) / weights (hf) for training

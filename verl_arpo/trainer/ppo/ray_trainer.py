@@ -146,6 +146,7 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ workers
     def init_workers(self):
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl_arpo.utils.device import cuda_worker_env
         from verl_arpo.utils.secrets import secret_env_vars
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
@@ -157,9 +158,10 @@ class RayPPOTrainer:
         self.resource_pool = RayResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1,
                                              cpus_per_bundle=cpus)
         timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
+        env = cuda_worker_env((cfg.ray_init.runtime_env or {}).get("env_vars")) if use_gpu else {}
         self.actor_rollout_wg = RayWorkerGroup(
             self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref"),
-            name_prefix="actor_rollout_ref", call_timeout=timeout)
+            name_prefix="actor_rollout_ref", call_timeout=timeout, env_vars=env)
         # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
         # tools read their keys when they are built
         secrets = secret_env_vars((cfg.ray_init.runtime_env or {}).get("env_vars"))
@@ -173,7 +175,7 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic_wg = RayWorkerGroup(self.resource_pool,
                                             RayClassWithInitArgs(CriticWorker, config=cfg.critic, seed=int(cfg.trainer.seed)),
-                                            name_prefix="critic", call_timeout=timeout)
+                                            name_prefix="critic", call_timeout=timeout, env_vars=env)
             if secrets:
                 self.critic_wg.execute_all("set_environment", secrets)
             self.critic_wg.init_model(self.total_training_steps)
