@@ -76,3 +76,22 @@ def test_gpu_script_trains_two_steps_on_cpu(script, tiny_model_dir, tmp_path):
         assert re.search(r"^\s+branch_rule: aepo$", cfg.stdout, re.M), cfg.stdout[-3000:]
         assert re.search(r"^\s+enable_dynamic_rollouts: false$", cfg.stdout, re.M)
     assert "KeyError" not in out
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_gpu_scripts_run_vllm_at_verls_speed(script, engine, tmp_path):
+    """[issue 31, item 5] With vLLM (their default engine) the GPU scripts turn on CUDA graphs, vLLM's
+    batched sampler and verl's 256 sequences; with the hf engine, which has none of these settings,
+    they pass none of them. Hydra composes the script's command line (`--cfg job`), nothing trains."""
+    from omegaconf import OmegaConf
+
+    env = _env(ROLLOUT_NAME=engine, ACTOR_MODEL_PATH=str(tmp_path / "m"), SAVE_PATH=str(tmp_path / "save"),
+               WORK_DIR=str(tmp_path / "work"), MODEL_DIR=str(tmp_path / "m"))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--cfg", "job"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rollout = OmegaConf.create(proc.stdout).actor_rollout_ref.rollout
+    speed = (rollout.enforce_eager, rollout.seed_requests, rollout.max_num_seqs)
+    assert rollout.name == engine
+    assert speed == ((False, False, 256) if engine == "vllm" else (True, True, 1024))  # the YAML's CPU defaults
