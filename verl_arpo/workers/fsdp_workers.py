@@ -35,6 +35,7 @@ from verl_arpo.workers.training_core import (
     load_causal_lm,
     maybe_reshard,
     memory_metrics,
+    model_dtype,
     move_optimizer_state,
     release_host_memory,
     shard_fsdp2,
@@ -116,6 +117,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                       lora_rank=mcfg.lora_rank if train else 0, lora_alpha=mcfg.lora_alpha,
                       target_modules=mcfg.target_modules)
             fsdp_cfg = (acfg if train else self.config.ref).fsdp_config
+            kw["dtype"] = model_dtype(fsdp_cfg.model_dtype, trained=train, device_type=self.device.type)
             return init_sharded_model(lambda: load_causal_lm(path, **kw), lambda: load_causal_lm(path, empty=True, **kw),
                                       lambda m: self._shard(m, fsdp_cfg, train=train), self.device,
                                       offload=self._param_offload(fsdp_cfg))
@@ -332,7 +334,8 @@ class CriticWorker(Worker, _FSDPModelMixin):
         hf_config = AutoConfig.from_pretrained(mcfg.path, num_labels=1, trust_remote_code=mcfg.trust_remote_code,
                                                **dict(mcfg.override_config or {}))
         hf_config.classifier_dropout = 0.0  # the value head must be deterministic (Qwen2 defaults to 0.1)
-        kw = dict(dtype=torch.float32, attn_implementation=attn_implementation(mcfg.attn_implementation),
+        kw = dict(dtype=model_dtype(mcfg.fsdp_config.model_dtype, trained=True, device_type=self.device.type),
+                  attn_implementation=attn_implementation(mcfg.attn_implementation),
                   trust_remote_code=mcfg.trust_remote_code)
 
         def build(empty: bool):
