@@ -36,7 +36,7 @@ from verl_arpo.utils.torch_functional import masked_mean
 logger = logging.getLogger(__name__)
 
 # rollout metrics that add up over data-parallel ranks; every other one is averaged
-_SUMMED = ("branches", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
+_SUMMED = ("branches", "branch_draws", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
            "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses",
            "cache_write_errors", "cache_writes")
 
@@ -68,6 +68,8 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         out[k] = float(vals.sum() if k.endswith(_SUMMED) else vals.max() if k.startswith(_MAXED) else vals.mean())
     if "rollout/tokens_generated" in out and out.get("rollout/tokens_in_trajectories"):
         out["rollout/generated_per_traj_token"] = out["rollout/tokens_generated"] / out["rollout/tokens_in_trajectories"]
+    if out.get("rollout/branch_draws"):  # how often the branch rule fired when it was asked
+        out["rollout/branch_fire_rate"] = out.get("rollout/branches", 0.0) / out["rollout/branch_draws"]
     return out
 
 
