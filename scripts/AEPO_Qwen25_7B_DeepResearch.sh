@@ -46,6 +46,14 @@ USE_REMOVE_PADDING="${USE_REMOVE_PADDING:-True}"           # packed sequences (n
 
 # ============================ Rollout Configuration ==========================
 ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"  # vllm | hf
+# vLLM at verl's speed (docs/gpu.md, "GPU defaults"): CUDA graphs (the in-place weight reload keeps
+# their storage), vLLM's batched sampler (branch draws stay seeded; tokens follow vLLM's stream),
+# verl's 256 concurrent sequences. The hf engine has none of these settings.
+VLLM_SPEED=()
+if [ "${ROLLOUT_NAME}" = vllm ]; then
+  VLLM_SPEED=(actor_rollout_ref.rollout.enforce_eager=False actor_rollout_ref.rollout.seed_requests=False
+              actor_rollout_ref.rollout.max_num_seqs=256)
+fi
 ROLLOUT_MODE="sync_with_tool"        # multi-turn tool loop
 ROLLOUT_N="${ROLLOUT_N:-12}"         # trajectories per prompt
 INITIAL_ROLLOUTS="${INITIAL_ROLLOUTS:-6}" # ARPO: independent trajectories; branches fill up to n
@@ -151,4 +159,4 @@ set -o pipefail
     trainer.val_before_train=False \
     trainer.rollout_data_dir="${ROLLOUT_SAVE_PATH}" \
     hydra.run.dir="${SAVE_PATH}/outputs" \
-    "$@" 2>&1 | tee "${SAVE_PATH}/run.log"
+    ${VLLM_SPEED[@]+"${VLLM_SPEED[@]}"} "$@" 2>&1 | tee "${SAVE_PATH}/run.log"

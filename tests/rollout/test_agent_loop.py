@@ -362,3 +362,23 @@ def test_progress_lines_count_finished_trajectories_tool_calls_and_tokens(tiny_t
     monkeypatch.setenv("RANK", "1")  # other ranks stay quiet
     loop.generate_sequences(_prompts(tok, ["q one"]))
     assert "[rollout]" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("p, fires", [(1.0, True), (0.0, False)])
+def test_branch_draws_count_the_rules_chances(tiny_tokenizer, mode, p, fires):
+    """rollout/branch_draws counts every draw of the branch rule (a trajectory's tool result while its
+    prompt has a free slot), so branches / draws is how often the rule fires: always at p = 1, never
+    at p = 0 (entropy weight 0), with draws made either way."""
+    loop, _ = _loop(tiny_tokenizer, mode=mode, script=calls_then_answer(2), n=4, initial_rollouts=2, beam_size=2,
+                    branch_probability=p, entropy_weight=0.0, seed=3)
+    m = loop.generate_sequences(_prompts(tiny_tokenizer, ["a", "b"])).meta_info["metrics"]
+    assert m["rollout/branch_draws"] >= 2 * 2  # each prompt's first two tool results at least
+    assert m.get("rollout/branches", 0) == (m["rollout/branch_draws"] if fires else 0)
+
+
+def test_the_driver_reports_the_fire_rate_over_ranks():
+    from verl_arpo.trainer.ppo.ray_trainer import reduce_metrics
+
+    out = reduce_metrics({"rollout/branches": [3.0, 1.0], "rollout/branch_draws": [8.0, 8.0]})
+    assert out["rollout/branch_draws"] == 16.0 and out["rollout/branch_fire_rate"] == 4 / 16
+    assert "rollout/branch_fire_rate" not in reduce_metrics({"rollout/branches": [0.0]})  # GRPO: no draws

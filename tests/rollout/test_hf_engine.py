@@ -389,3 +389,36 @@ def test_discard_weights_frees_them_and_a_full_sync_refills(tiny_model_dir, tiny
     shared = HFEngine(eng.model, tiny_tokenizer)
     assert not shared.discard_weights() and not shared.weights_discarded
     assert sum(p.numel() for p in eng.model.parameters()) == sum(w.numel() for w in weights.values())
+
+
+@pytest.fixture(scope="module")
+def padded_vocab_dir(tmp_path_factory, tiny_tokenizer):
+    """The tiny model with 64 padding rows past the tokenizer's ids (as Qwen2.5 pads 151665 to 152064)."""
+    from verl_arpo.utils.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("padded_vocab"), vocab_size=len(tiny_tokenizer) + 64)
+
+
+def test_no_padding_id_is_ever_sampled(padded_vocab_dir, tiny_tokenizer, prompts):
+    """[issue 31, item 3] At temperature 5 the distribution is nearly flat: without the mask about one
+    draw in ten would be a padding id (the control below shows it); with it, none of 4 x 48 draws is,
+    and the reported log-probs are those of softmax over the tokenizer's ids alone."""
+    from transformers import AutoModelForCausalLM
+
+    n_ids = len(tiny_tokenizer)
+    hot = SamplingParams(temperature=5.0, logprobs_topk=0)
+    eng = HFEngine(padded_vocab_dir, tiny_tokenizer, seed=3)
+    outs = eng.generate([req(f"r{i}", p, 48, hot, seed=100 + i) for i, p in enumerate(prompts)])
+    drawn = [t for o in outs for t in o.token_ids]
+    assert len(drawn) == 4 * 48 - sum(48 - len(o.token_ids) for o in outs) and max(drawn) < n_ids
+    model = AutoModelForCausalLM.from_pretrained(padded_vocab_dir, dtype=torch.float32).eval()
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(p) + o.token_ids])).logits[0, len(p) - 1:-1]
+        want = torch.log_softmax(logits[:, :n_ids] / 5.0, dim=-1)  # the padding rows carry no mass
+        got = torch.tensor(o.logprobs)
+        assert torch.allclose(got, want.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0], atol=TOL)
+    control = HFEngine(padded_vocab_dir, tiny_tokenizer, seed=3)
+    control.n_token_ids = model.config.vocab_size  # the mask off: padding ids do get drawn
+    outs = control.generate([req(f"r{i}", p, 48, hot, seed=100 + i) for i, p in enumerate(prompts)])
+    assert max(t for o in outs for t in o.token_ids) >= n_ids

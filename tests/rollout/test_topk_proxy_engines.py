@@ -75,9 +75,10 @@ def test_topk_rows_include_the_sampled_token_on_both_engines(model, tiny_tokeniz
 def test_vllm_runs_in_process_on_every_device():
     """[issue 17, item 5] One code path: the engine is in-process on GPU as on CPU; the CPU recipe
     (KV cache size, thread binding) only on CPU. Read without starting vLLM."""
-    from verl_arpo.workers.rollout.engines.vllm_engine import engine_env_defaults
+    from verl_arpo.workers.rollout.engines.vllm_engine import ENGINE_ENV, engine_env_defaults
 
     gpu, cpu = engine_env_defaults(on_cpu=False), engine_env_defaults(on_cpu=True)
-    assert gpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert not any(k.startswith("VLLM_CPU_") for k in gpu)
+    # forced, not defaulted: an image that exports 1 would get the multiprocess engine (issue 31)
+    assert ENGINE_ENV == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and "VLLM_ENABLE_V1_MULTIPROCESSING" not in cpu
+    assert gpu == {}  # nothing is serialised across processes: no VLLM_ALLOW_INSECURE_SERIALIZATION
     assert {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"} <= cpu.keys()

@@ -253,3 +253,50 @@ def test_requests_at_any_time_match_generate(vllm_engine, tok, prompts):
         assert close(g.logprobs, w.logprobs)
         assert g.topk_logprobs == w.topk_logprobs or all(
             close(a, b) for a, b in zip(g.topk_logprobs, w.topk_logprobs) if a)
+
+
+_PADDED_VOCAB = r'''
+import json, os, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from verl_arpo.utils.tiny_model import make_tiny_model
+from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"   # as an image might export: the engine must override it
+from verl_arpo.workers.rollout.engines.vllm_engine import VLLMEngine
+model_dir = make_tiny_model(sys.argv[1], seed=0, hidden_size=128, intermediate_size=256, vocab_size=700)
+tok = AutoTokenizer.from_pretrained(model_dir)
+eng = VLLMEngine(model_dir, tok, dtype="float32", max_model_len=1024, seed=0)
+hot = SamplingParams(temperature=2.0, logprobs_topk=0, full_entropy=False)  # vLLM accepts T <= 2
+prompts = [tok.encode(t) for t in ["Who founded the town of Veltmoor?", "print(sum(x))", "<think> I need"]]
+outs = eng.generate([GenRequest(f"r{i}", p, 48, [], hot, seed=7 + i) for i, p in enumerate(prompts)])
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+n, gap = len(tok), 0.0
+for p, o in zip(prompts, outs):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1]
+    want = torch.log_softmax(logits[:, :n] / 2.0, dim=-1).gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+    gap = max(gap, float((torch.tensor(o.logprobs) - want).abs().max()))
+print(json.dumps(dict(n_ids=n, vocab=model.config.vocab_size, drawn=sum(len(o.token_ids) for o in outs),
+                      max_id=max(t for o in outs for t in o.token_ids), logprob_gap=gap,
+                      multiprocessing=os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])))
+'''
+
+
+def test_no_padding_id_is_ever_sampled(tmp_path):
+    """[issue 31, item 3] A tiny model with 100 padding rows past its tokenizer, sampled at temperature 2
+    (vLLM's maximum; the random model's distribution is nearly flat: unmasked, about one draw in seven
+    would be a padding id): no drawn id is out of the
+    tokenizer's range, and the log-probs are those of softmax over the tokenizer's ids alone. The same
+    process exported VLLM_ENABLE_V1_MULTIPROCESSING=1, which the engine replaced by 0."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    out = subprocess.run([sys.executable, "-c", _PADDED_VOCAB, str(tmp_path / "padded")], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["vocab"] == 700 > got["n_ids"] and got["drawn"] > 100
+    assert got["max_id"] < got["n_ids"] and got["logprob_gap"] < TOL
+    assert got["multiprocessing"] == "0"

@@ -64,3 +64,13 @@ def test_the_trainer_names_the_bf16_keys_a_cpu_without_native_bf16_runs_slowly()
     assert all("~50x slower than fp32" in line and line.endswith("=float32") for line in lines)
     assert slow_bf16_keys(job, fast_bf16=True) == []
     assert slow_bf16_keys(_job(*FP32_RL_OVERRIDES), fast_bf16=False) == []  # what the quickstart passes there
+
+
+def test_gpu_workers_train_with_expandable_segments_unless_the_user_chose(monkeypatch):
+    from verl_arpo.utils.device import cuda_worker_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert cuda_worker_env(None) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert cuda_worker_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}) == {}  # ray_init env_vars
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+    assert cuda_worker_env({}) == {}  # the driver's environment

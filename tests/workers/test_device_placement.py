@@ -10,7 +10,7 @@ zeros (the checks are about where tensors are, not what they hold; the numerics 
 elsewhere).
 
 Covered: the actor's log-prob and update paths (KL loss, AEPO advantage, rollout importance weights,
-dynamic and fixed micro-batches), the critic's value and update paths, and the driver-side
+dynamic and fixed micro-batches, padded and packed (`use_remove_padding`, as the 7B script trains)), the critic's value and update paths, and the driver-side
 advantage computation on what the workers return. A direct forward that skips the boundary
 raises, which is what the code did before the boundary existed.
 """
@@ -44,7 +44,7 @@ def _meta_masks():
 class SameDevice(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.ops = 0
+        self.ops = self.equals = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -54,6 +54,13 @@ class SameDevice(TorchDispatchMode):
         if func is aten._local_scalar_dense.default and tensors[0].is_meta:
             t = tensors[0]
             return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        if func is aten.equal.default and any(t.is_meta for t in tensors):
+            # aten::equal has no meta kernel; the packed path asks whether position_ids restart at
+            # each row (a question about values): answer yes, as .item() answers 1 (issue 31, item 8)
+            if len({t.device.type for t in tensors}) > 1:
+                raise DeviceMismatch(f"{func}: operands on {sorted({t.device.type for t in tensors})}")
+            self.equals += 1
+            return True
         if func in _MOVES:
             if func is aten._to_copy.default and tensors[0].is_meta and kwargs.get("device") == torch.device("cpu"):
                 return torch.zeros(tensors[0].shape, dtype=kwargs.get("dtype") or tensors[0].dtype)
@@ -90,7 +97,8 @@ def causal_lm(tiny_model_dir):
 
 
 @pytest.mark.parametrize("use_dynamic_bsz", [False, True])
-def test_actor_runs_with_a_device_model_and_returns_host_tensors(causal_lm, use_dynamic_bsz):
+@pytest.mark.parametrize("use_remove_padding", [False, True])
+def test_actor_runs_with_a_device_model_and_returns_host_tensors(causal_lm, use_dynamic_bsz, use_remove_padding):
     from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 
     data = _batch(causal_lm.config.vocab_size)
@@ -98,13 +106,14 @@ def test_actor_runs_with_a_device_model_and_returns_host_tensors(causal_lm, use_
                ppo_max_token_len_per_gpu=16, use_kl_loss=True, kl_loss_coef=0.1,
                enable_entropy_balanced_advantage=True, entropy_coeff=0.01, grad_clip=1.0)
     opt = torch.optim.AdamW(causal_lm.parameters(), lr=1e-3)
-    actor = DataParallelPPOActor(cfg, causal_lm, opt, device=DEVICE)
+    actor = DataParallelPPOActor(cfg, causal_lm, opt, use_remove_padding=use_remove_padding, device=DEVICE)
     mode = SameDevice()
     with mode:
         log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
         data.meta_info["rollout_is"] = dict(threshold=2.0, level="token", mode="truncate", apply=True)
         metrics = actor.update_policy(data)
     assert mode.ops > 100  # the forward, backward and step all went through the checks
+    assert (mode.equals > 0) == use_remove_padding  # the packed path ran (it checks position_ids first)
     assert log_probs.device.type == entropy.device.type == "cpu"
     assert log_probs.shape == entropy.shape == data.batch["responses"].shape
     assert {"actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "mismatch/log_prob_abs_diff"} <= set(metrics)

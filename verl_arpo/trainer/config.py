@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_arpo.utils.job_config import ROLLOUT_MODES, ConfigError, JobConfig, not_implemented_problems
+from verl_arpo.utils.job_config import MODEL_DTYPE_NAMES, ROLLOUT_MODES, ConfigError, JobConfig, not_implemented_problems
 from verl_arpo.utils.resources import bundled_root, resolve_bundled
 from verl_arpo.utils.secrets import SECRET_ENV_VARS, MASK, is_secret_key, mask_secrets, mask_text  # noqa: F401
 from verl_arpo.utils.tracking import LOGGER_BACKENDS, parse_logger
@@ -370,6 +370,11 @@ def _check_actor(c: DictConfig, add: Callable[[str, str], None]) -> None:
     strategy = _select(c, f"{a}.strategy", "fsdp")
     if strategy not in STRATEGIES:
         add(f"{a}.strategy", f"unknown {strategy!r}; accepted: {list(STRATEGIES)}")
+    for section in (f"{a}.fsdp_config", f"{AR}.ref.fsdp_config", "critic.model.fsdp_config"):
+        v = _select(c, f"{section}.model_dtype")
+        if v is not None and v not in MODEL_DTYPE_NAMES:
+            add(f"{section}.model_dtype", f"unknown {v!r}; accepted: null (fp32 trained, bf16 reference on GPU) or "
+                f"{list(MODEL_DTYPE_NAMES)}")
     for section in (f"{a}.optim", "critic.optim"):
         if section == "critic.optim" and _select(c, "algorithm.adv_estimator") != "gae":
             continue

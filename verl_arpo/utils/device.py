@@ -10,9 +10,13 @@ knows NPUs (``hccl``); we do not: there is no way to test them here.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch
 
-__all__ = ["cpu_has_fast_bf16", "get_device_name", "get_dist_backend", "get_torch_device", "set_local_device"]
+__all__ = ["cpu_has_fast_bf16", "cuda_worker_env", "get_device_name", "get_dist_backend", "get_torch_device",
+           "release_device_cache", "set_local_device"]
 
 
 def is_cuda_available() -> bool:
@@ -72,3 +76,26 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
     return any(f in flags for f in _BF16_FLAGS)
+
+
+def release_device_cache(device) -> None:
+    """On CUDA: wait for the queued kernels, then return the caching allocator's free blocks to the
+    driver, so that memory allocated outside torch's allocator (vLLM's weights and KV cache when
+    they wake) finds them. The update's peak otherwise stays reserved in torch's cache beside the
+    engine (docs/gpu.md, "Memory around the wake"). A no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_worker_env(user_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment of GPU training workers: PyTorch's expandable segments (fewer fragmented blocks
+    between the update's differently sized activations; vLLM's sleep-mode pool turns them off around
+    its own allocations), unless the user set PYTORCH_CUDA_ALLOC_CONF (in `user_env`, i.e.
+    ray_init.runtime_env.env_vars, or in this process's environment): theirs wins."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in (user_env or {}) or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF}

@@ -114,6 +114,10 @@ class OptimConfig:
     betas: tuple = (0.9, 0.999)
 
 
+MODEL_DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")
+"""Accepted values of fsdp_config.model_dtype besides null (training_core.model_dtype)."""
+
+
 @dataclass(frozen=True)
 class FSDPConfig:
     param_offload: bool = False
@@ -121,6 +125,7 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     fsdp_size: int = -1
     mixed_precision: dict | None = None
+    model_dtype: str | None = None  # the weights' dtype as loaded (training_core.model_dtype)
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,7 @@ class RefFSDPConfig:
     param_offload: bool = False
     reshard_after_forward: bool = True
     mixed_precision: dict | None = None
+    model_dtype: str | None = None  # null: bf16 on GPU (as verl), fp32 on CPU (training_core.model_dtype)
 
 
 @dataclass(frozen=True)

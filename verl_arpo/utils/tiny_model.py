@@ -94,8 +94,11 @@ def make_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = True,
+    vocab_size: int | None = None,
 ) -> str:
-    """Write a random Qwen2 causal LM + tokenizer to `save_dir` (HF layout); return the path."""
+    """Write a random Qwen2 causal LM + tokenizer to `save_dir` (HF layout); return the path.
+    `vocab_size` larger than the tokenizer pads the embedding rows, as Qwen2.5's 152064 rows for
+    151665 token ids do (default: exactly the tokenizer's ids)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -105,7 +108,7 @@ def make_tiny_model(
     eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tok.convert_tokens_to_ids(PAD_TOKEN)
     cfg = Qwen2Config(
-        vocab_size=len(tok),
+        vocab_size=max(len(tok), vocab_size or 0),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,

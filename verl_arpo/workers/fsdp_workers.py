@@ -23,7 +23,7 @@ import torch
 from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
-from verl_arpo.utils.device import get_device_name, set_local_device
+from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
 from verl_arpo.workers.training_core import (
     HOST_MEMORY,
@@ -35,6 +35,7 @@ from verl_arpo.workers.training_core import (
     load_causal_lm,
     maybe_reshard,
     memory_metrics,
+    model_dtype,
     move_optimizer_state,
     release_host_memory,
     shard_fsdp2,
@@ -116,6 +117,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                       lora_rank=mcfg.lora_rank if train else 0, lora_alpha=mcfg.lora_alpha,
                       target_modules=mcfg.target_modules)
             fsdp_cfg = (acfg if train else self.config.ref).fsdp_config
+            kw["dtype"] = model_dtype(fsdp_cfg.model_dtype, trained=train, device_type=self.device.type)
             return init_sharded_model(lambda: load_causal_lm(path, **kw), lambda: load_causal_lm(path, empty=True, **kw),
                                       lambda m: self._shard(m, fsdp_cfg, train=train), self.device,
                                       offload=self._param_offload(fsdp_cfg))
@@ -163,7 +165,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                  max_model_len=rcfg.max_model_len or int(rcfg.prompt_length) + int(rcfg.response_length),
                                  enforce_eager=bool(rcfg.enforce_eager), load_format=str(rcfg.load_format),
                                  max_num_seqs=int(rcfg.max_num_seqs),
-                                 max_num_batched_tokens=int(rcfg.max_num_batched_tokens))
+                                 max_num_batched_tokens=int(rcfg.max_num_batched_tokens),
+                                 # the sync re-streams every weight (LoRA merged in): nothing to keep asleep
+                                 sleep_level=2)
         self.engine = build_engine(name, path, self.tokenizer, **engine_kwargs)
         # tools after the engine: bm25s (local search) loads numba, and vLLM 0.32 fails to start after it
         self.tool_executor = ToolExecutor.from_config(rcfg.tools)
@@ -216,10 +220,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         with torch.no_grad(), HOST_MEMORY.phase("weight_sync"):
             plan = self._weight_plan()
             self.engine.check_weight_names([name for name, _, _ in plan])
+            release_device_cache(self.device)  # the update's cached blocks go back before vLLM wakes its weights
             self.engine.update_weights(self._full_named_params(plan, getattr(self.engine, "weight_dtype", None)))
         maybe_reshard(self.actor_module)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_cache(self.device)
 
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -227,6 +231,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         if self.engine.weights_discarded:  # an update without its sync (the trainer always syncs)
             self._sync_rollout_weights()
         with HOST_MEMORY.phase("rollout"):
+            release_device_cache(self.device)  # before vLLM allocates its KV cache outside torch's allocator
             self.engine.wake()
             out = self.agent_loop.generate_sequences(prompts)
             if self.config.rollout.free_cache_engine:  # free the KV cache (vLLM) / weights (hf) for training
@@ -329,7 +334,8 @@ class CriticWorker(Worker, _FSDPModelMixin):
         hf_config = AutoConfig.from_pretrained(mcfg.path, num_labels=1, trust_remote_code=mcfg.trust_remote_code,
                                                **dict(mcfg.override_config or {}))
         hf_config.classifier_dropout = 0.0  # the value head must be deterministic (Qwen2 defaults to 0.1)
-        kw = dict(dtype=torch.float32, attn_implementation=attn_implementation(mcfg.attn_implementation),
+        kw = dict(dtype=model_dtype(mcfg.fsdp_config.model_dtype, trained=True, device_type=self.device.type),
+                  attn_implementation=attn_implementation(mcfg.attn_implementation),
                   trust_remote_code=mcfg.trust_remote_code)
 
         def build(empty: bool):

@@ -36,7 +36,7 @@ from verl_arpo.utils.torch_functional import masked_mean
 logger = logging.getLogger(__name__)
 
 # rollout metrics that add up over data-parallel ranks; every other one is averaged
-_SUMMED = ("branches", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
+_SUMMED = ("branches", "branch_draws", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
            "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses",
            "cache_write_errors", "cache_writes")
 
@@ -68,6 +68,8 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         out[k] = float(vals.sum() if k.endswith(_SUMMED) else vals.max() if k.startswith(_MAXED) else vals.mean())
     if "rollout/tokens_generated" in out and out.get("rollout/tokens_in_trajectories"):
         out["rollout/generated_per_traj_token"] = out["rollout/tokens_generated"] / out["rollout/tokens_in_trajectories"]
+    if out.get("rollout/branch_draws"):  # how often the branch rule fired when it was asked
+        out["rollout/branch_fire_rate"] = out.get("rollout/branches", 0.0) / out["rollout/branch_draws"]
     return out
 
 
@@ -146,6 +148,7 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ workers
     def init_workers(self):
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl_arpo.utils.device import cuda_worker_env
         from verl_arpo.utils.secrets import secret_env_vars
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
@@ -157,9 +160,10 @@ class RayPPOTrainer:
         self.resource_pool = RayResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1,
                                              cpus_per_bundle=cpus)
         timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
+        env = cuda_worker_env((cfg.ray_init.runtime_env or {}).get("env_vars")) if use_gpu else {}
         self.actor_rollout_wg = RayWorkerGroup(
             self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref"),
-            name_prefix="actor_rollout_ref", call_timeout=timeout)
+            name_prefix="actor_rollout_ref", call_timeout=timeout, env_vars=env)
         # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
         # tools read their keys when they are built
         secrets = secret_env_vars((cfg.ray_init.runtime_env or {}).get("env_vars"))
@@ -173,7 +177,7 @@ class RayPPOTrainer:
         if self.use_critic:
             self.critic_wg = RayWorkerGroup(self.resource_pool,
                                             RayClassWithInitArgs(CriticWorker, config=cfg.critic, seed=int(cfg.trainer.seed)),
-                                            name_prefix="critic", call_timeout=timeout)
+                                            name_prefix="critic", call_timeout=timeout, env_vars=env)
             if secrets:
                 self.critic_wg.execute_all("set_environment", secrets)
             self.critic_wg.init_model(self.total_training_steps)

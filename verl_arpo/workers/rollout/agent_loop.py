@@ -337,6 +337,7 @@ class AgentLoop:
                 for _ in range(cfg.beam_size - 1):
                     if len(group) >= n:
                         break
+                    self._stats["rollout/branch_draws"] += 1  # the rule's chances: branches / draws = its fire rate
                     if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
                               entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
                         group.append(t.branch(self._next_id(i)))

