@@ -200,12 +200,33 @@ VARIANTS = {
 }
 
 
-def _last_metrics(save: Path) -> dict:
+def _step_metrics(save: Path) -> list[dict]:
+    """Every step's metrics line of the run in `save` (the last line of a step counts)."""
     files = sorted(save.rglob("metrics.jsonl"))
     if not files:
-        return {}
-    lines = [json.loads(x) for x in files[-1].read_text().splitlines() if x.strip()]
-    return lines[-1] if lines else {}
+        return []
+    by_step = {}
+    for line in files[-1].read_text().splitlines():
+        if line.strip():
+            m = json.loads(line)
+            by_step[m.get("step")] = m
+    return [by_step[k] for k in sorted(by_step, key=lambda k: (k is None, k or 0))]
+
+
+PHASES = ("rollout", "log_prob", "update", "weight_sync")
+
+
+def phase_memory(steps: list[dict]) -> str:
+    """Device memory (GiB in use, as the driver sees it) at entry and exit of each worker phase, per
+    step: the level-2 sleep, the cache emptied before the wake and the KV cache's return show here
+    (docs/gpu.md, "Memory around the wake"). Empty off CUDA."""
+    parts = []
+    for m in steps:
+        ph = [f"{p} {m[f'perf/gpu_memory_entry_gb/{p}']:.1f}→{m[f'perf/gpu_memory_exit_gb/{p}']:.1f}"
+              for p in PHASES if f"perf/gpu_memory_entry_gb/{p}" in m]
+        if ph:
+            parts.append(f"step {m.get('step')}: " + ", ".join(ph))
+    return ("device GiB per phase " + "; ".join(parts)) if parts else ""
 
 
 def train_row(name: str, model_dir: str, device: str, work: Path, variant: str = "base") -> None:
@@ -230,13 +251,16 @@ def train_row(name: str, model_dir: str, device: str, work: Path, variant: str =
     steps = STEP_LINE.findall(out)
     done = (save / "global_step_2" / "checkpoint_complete.json").is_file()
     ok = proc.returncode == 0 and [int(s) for s, _, _ in steps] == [1, 2] and done
-    metrics = _last_metrics(save)
+    steps_m = _step_metrics(save)
+    metrics = steps_m[-1] if steps_m else {}
     keep = {k: metrics[k] for k in ("mismatch/log_prob_abs_diff", "mismatch/k3_kl", "actor/grad_norm",
                                     "critic/vf_loss", "timing_s/update_actor", "timing_s/gen",
                                     "perf/max_memory_allocated_gb") if k in metrics}
     detail = (f"{len(steps)} steps, step_s {', '.join(t for _, _, t in steps)}, checkpoint: {done}, "
               f"{time.time() - t0:.0f} s; " + ", ".join(f"{k} {v:.4g}" for k, v in keep.items()
                                                        if isinstance(v, (int, float))))
+    if phase_memory(steps_m):
+        detail += "; " + phase_memory(steps_m)
     if not ok:
         tail = "\n".join(out.strip().splitlines()[-25:])
         detail += f"; exit {proc.returncode}; log {work / f'train_{label}.log'}\n{tail}"

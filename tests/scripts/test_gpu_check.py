@@ -49,3 +49,19 @@ def test_gpu_check_passes_on_the_host_with_vllm(tmp_path):
     rows = _run(tmp_path, model_dir, "vllm", "base,async")
     assert [k for k in rows] == ["env", "engine:vllm", "sync_memory:vllm", "train:vllm", "train:vllm+async"]
     assert all(r["status"] == "PASS" for r in rows.values()), rows
+
+
+def test_device_memory_per_phase_is_printed_for_each_step():
+    """[issue 31, item 2] On a GPU the train rows say the device memory at entry and exit of each phase
+    of both steps (the workers log perf/gpu_memory_{entry,exit}_gb/<phase> on CUDA only)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    steps = [{"step": s, **{f"perf/gpu_memory_{k}_gb/{p}": v + (0.5 if k == "exit" else 0) + s
+                            for p, v in (("rollout", 10.0), ("update", 20.0)) for k in ("entry", "exit")}}
+             for s in (1, 2)]
+    assert gc.phase_memory(steps) == ("device GiB per phase step 1: rollout 11.0→11.5, update 21.0→21.5; "
+                                      "step 2: rollout 12.0→12.5, update 22.0→22.5")
+    assert gc.phase_memory([{"step": 1, "perf/cpu_memory_peak_gb": 3.0}]) == ""  # the host: nothing to say

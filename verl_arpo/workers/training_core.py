@@ -180,6 +180,7 @@ class HostMemoryPhases:
         self.entry: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.window_peak = 0
+        self.device: dict[str, tuple[int, int]] = {}  # top-level phase -> device bytes used at entry, at exit
 
     def _fold(self) -> None:
         hwm = _read_hwm()
@@ -198,12 +199,17 @@ class HostMemoryPhases:
         rss = _rss()
         if rss is not None:
             self.entry.setdefault(name, rss)
+        # the device as the driver sees it (vLLM's own pools included), for top-level phases only: a
+        # reading synchronises the device, which is cheap per phase and not per micro-batch
+        dev_entry = _device_used() if "/" not in name else None
         self._open.append(name)
         try:
             yield
         finally:
             self._fold()
             self._open.remove(name)
+            if dev_entry is not None:
+                self.device[name] = (self.device.get(name, (dev_entry,))[0], _device_used())
 
     def metrics(self) -> dict[str, float]:
         """perf/cpu_memory_peak_gb/<phase> and perf/cpu_memory_entry_gb/<phase> of every phase closed
@@ -211,6 +217,9 @@ class HostMemoryPhases:
         done = [n for n in self.peak if n not in self._open]
         out = {f"perf/cpu_memory_peak_gb/{n}": self.peak.pop(n) / 2**30 for n in done}
         out.update({f"perf/cpu_memory_entry_gb/{n}": self.entry.pop(n) / 2**30 for n in done if n in self.entry})
+        for n in [n for n in self.device if n not in self._open]:  # CUDA only: perf/gpu_memory_{entry,exit}_gb/<phase>
+            entry, exit_ = self.device.pop(n)
+            out[f"perf/gpu_memory_entry_gb/{n}"], out[f"perf/gpu_memory_exit_gb/{n}"] = entry / 2**30, exit_ / 2**30
         return out
 
     def take_window_peak(self) -> int | None:
@@ -221,6 +230,15 @@ class HostMemoryPhases:
 
 
 HOST_MEMORY = HostMemoryPhases()
+
+
+def _device_used() -> int | None:
+    """Bytes in use on this process's CUDA device as the driver reports them (other processes' and
+    vLLM's allocations included); None where CUDA is not in use."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:

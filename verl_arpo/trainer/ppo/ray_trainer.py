@@ -54,7 +54,7 @@ class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps were skipped for non-finite gradients."""
 
 
-_MAXED = ("perf/max_memory_", "perf/cpu_memory_peak_gb", "perf/cpu_memory_entry_gb")
+_MAXED = ("perf/max_memory_", "perf/cpu_memory_peak_gb", "perf/cpu_memory_entry_gb", "perf/gpu_memory_")
 
 
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
