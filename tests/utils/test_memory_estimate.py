@@ -110,3 +110,23 @@ def test_update_estimate_matches_measured_memory_on_cpu(tmp_path):
     print(f"\nestimated {predicted / 2**20:.0f} MiB, measured {got['growth'] / 2**20:.0f} MiB "
           f"(parameters {4 * shape.params / 2**20:.0f} MiB fp32)")
     assert 0.75 * predicted <= got["growth"] <= 1.25 * predicted
+
+
+def test_reference_in_bf16_and_the_updates_cached_peak():
+    """[issue 31, items 2 and 4] The reference counts 2 bytes a parameter (bf16 on the GPU, as loaded
+    now), 4 when set to float32; the update's freed peak is what PyTorch's cache would keep beside vLLM
+    without the emptying before the wake, and the 14B script does not fit without it."""
+    m = me.model_shape("qwen3-14b")
+    base = dict(world=8, train_tokens=16384, logprob_tokens=32768, response_fraction=0.75, param_offload=False,
+                optimizer_offload=False, gradient_checkpointing=True, engine="vllm", gpu_memory_utilization=0.6,
+                free_cache_engine=True, need_ref=True, ref_param_offload=False)
+    bf16 = me.estimate(m, me.JobShape(**base), 80 * me.GIB)
+    fp32 = me.estimate(m, me.JobShape(**{**base, "ref_bytes": 4}), 80 * me.GIB)
+    assert bf16["update"]["ref_params"] == 2 * m.params / 8 and fp32["update"]["ref_params"] == 4 * m.params / 8
+    assert me._ref_bytes(None, 2) == 2 and me._ref_bytes(None, 4) == 4 and me._ref_bytes("float32", 2) == 4
+    u = bf16["update"]
+    cached = me.cached_after_update(bf16)
+    assert cached == u["gathered_units"] + u["activations"] + u["logits"] + u["gradients"] > 0
+    assert bf16["rollout"]["total"] <= 80 * me.GIB < bf16["rollout"]["total"] + cached
+    text = me.render(m, me.JobShape(**base), bf16, 80 * me.GIB)
+    assert "without emptying the cache before the wake" in text and "does NOT fit; the worker empties it" in text

@@ -98,6 +98,7 @@ class JobShape:
     need_ref: bool
     ref_param_offload: bool
     dtype_bytes: int = 2        # compute dtype: bf16 on CUDA
+    ref_bytes: int = 2          # bytes per reference parameter (fsdp_config.model_dtype; null: bf16 on CUDA)
     logprob_chunk: int = 2048
 
 
@@ -119,7 +120,15 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
                     gradient_checkpointing=bool(c.actor_rollout_ref.model.enable_gradient_checkpointing),
                     engine=str(r.name), gpu_memory_utilization=float(r.gpu_memory_utilization),
                     free_cache_engine=bool(r.free_cache_engine), need_ref=need_ref,
-                    ref_param_offload=bool(c.actor_rollout_ref.ref.fsdp_config.param_offload), dtype_bytes=dtype_bytes)
+                    ref_param_offload=bool(c.actor_rollout_ref.ref.fsdp_config.param_offload), dtype_bytes=dtype_bytes,
+                    ref_bytes=_ref_bytes(c.actor_rollout_ref.ref.fsdp_config.model_dtype, dtype_bytes))
+
+
+def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
+    """training_core.model_dtype for the reference: null is bf16 on CUDA (dtype_bytes 2), fp32 on the CPU."""
+    if model_dtype is None:
+        return dtype_bytes
+    return 2 if model_dtype in ("bfloat16", "bf16") else 4
 
 
 def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, float]]:
@@ -142,7 +151,7 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
 
     T = j.train_tokens
     saved = b * T * m.hidden * m.layers if j.gradient_checkpointing else layer_working_set(T) * m.layers
-    ref = 0 if not j.need_ref or j.ref_param_offload else 4 * m.params / W
+    ref = 0 if not j.need_ref or j.ref_param_offload else j.ref_bytes * m.params / W
     if j.engine == "vllm":
         engine_awake = j.gpu_memory_utilization * gpu_bytes                   # vLLM reserves its fraction
         engine_weights = 2 * m.params                                          # bf16 copy, woken alone for a sync
@@ -163,6 +172,16 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
     return {name: {**parts, "total": sum(parts.values())} for name, parts in phases.items()}
 
 
+def cached_after_update(table: dict) -> float:
+    """Bytes the update's transient peak leaves in PyTorch's caching allocator once it is freed: the
+    gathered layers, activations, logits and the gradients (set to None after the step): reserved,
+    unused, and invisible to vLLM, which allocates outside that cache. The worker empties the cache
+    before the sync and before the wake (docs/gpu.md, "Memory around the wake"); without that these
+    bytes would sit beside the engine's weights and then its KV cache."""
+    u = table["update"]
+    return u["gathered_units"] + u["activations"] + u["logits"] + u["gradients"]
+
+
 def render(m: ModelShape, j: JobShape, table: dict, gpu_bytes: int) -> str:
     comps = sorted({k for parts in table.values() for k in parts if k != "total"})
     lines = [f"model: {m.params / 1e9:.2f} B parameters ({m.layers} layers, vocab {m.vocab}); world {j.world} GPUs; "
@@ -176,6 +195,13 @@ def render(m: ModelShape, j: JobShape, table: dict, gpu_bytes: int) -> str:
     fits = table[worst]["total"] <= gpu_bytes
     lines.append(f"peak: {worst} at {table[worst]['total'] / GIB:.1f} GiB of {gpu_bytes / GIB:.0f} GiB — "
                  f"{'fits' if fits else 'does NOT fit'}")
+    if j.engine == "vllm":
+        cached = cached_after_update(table)
+        for phase in ("weight_sync", "rollout"):
+            kept = table[phase]["total"] + cached
+            lines.append(f"without emptying the cache before the {'sync' if phase == 'weight_sync' else 'wake'}, "
+                         f"{phase} would hold {cached / GIB:.1f} GiB more (the update's freed peak): "
+                         f"{kept / GIB:.1f} GiB — {'fits' if kept <= gpu_bytes else 'does NOT fit'}; the worker empties it")
     return "\n".join(lines)
 
 
