@@ -130,7 +130,9 @@ def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
     for m in steps:
         with open(rollout_dir / f"rollout_{m['step']}.jsonl") as f:
             trajectories = sum(1 for _ in f)
-        executed = sum(v for k, v in m.items() if k.startswith("tools/") and k.endswith("/calls"))
+        # tools/calls is the executor's total; tools/<name>/calls its share per tool (older logs: sum those)
+        executed = m.get("tools/calls", sum(v for k, v in m.items() if k.count("/") == 2 and k.startswith("tools/")
+                                            and k.endswith("/calls")))
         out["reward"].append(m["critic/score/mean"])
         out["executed_tool_calls_per_traj"].append(executed / trajectories)
         out["tool_calls_in_traj_per_traj"].append(m.get("tools/calls_per_traj", 0.0))
@@ -260,7 +262,9 @@ class Experiment:
         d = self.out / "runs" / f"{algo}_pair{pair}"
         done = d / "result.json"
         if done.exists():  # finished here before the store had it (this --out's SFT model: `sft_sha`)
-            result = {**json.loads(done.read_text()), "sft_sha256": sft_sha}
+            # its training numbers are read again from its logs, by this version's training_record
+            result = {**json.loads(done.read_text()), "sft_sha256": sft_sha,
+                      "train": training_record(d / "rl" / "logs" / "metrics.jsonl", d / "rl" / "rollout")}
             store.put(result)
             return result
         if d.exists():  # a killed run: start it over, its partial numbers never reach the report

@@ -74,12 +74,12 @@ def _write_run(d: Path, steps: list[dict], trajectories: int) -> tuple[Path, Pat
 
 def test_training_record_counts_executed_calls_per_trajectory(tmp_path):
     steps = [
-        {"step": 1, "critic/score/mean": 0.1, "tools/python/calls": 5.0, "tools/search/calls": 7.0,
+        {"step": 1, "critic/score/mean": 0.1, "tools/python/calls": 5.0, "tools/search/calls": 7.0, "tools/calls": 12.0,
          "tools/calls_per_traj": 1.5, "rollout/branches": 4.0, "rollout/tokens_generated": 900.0,
          "perf/total_num_tokens": 5000.0, "timing_s/step": 40.0, "timing_s/gen": 15.0},
         # a resumed run logs step 2 twice: the last line counts
         {"step": 2, "critic/score/mean": 0.9, "tools/python/calls": 100.0},
-        {"step": 2, "critic/score/mean": 0.3, "tools/python/calls": 3.0, "tools/search/calls": 3.0,
+        {"step": 2, "critic/score/mean": 0.3, "tools/python/calls": 3.0, "tools/search/calls": 3.0,  # no total: summed
          "tools/python/successes": 3.0, "tools/calls_per_traj": 0.5, "rollout/branches": 2.0,
          "rollout/tokens_generated": 700.0, "perf/total_num_tokens": 4000.0, "timing_s/step": 50.0,
          "timing_s/gen": 25.0},
@@ -87,7 +87,7 @@ def test_training_record_counts_executed_calls_per_trajectory(tmp_path):
     rec = ca.training_record(*_write_run(tmp_path, steps, trajectories=24))
     assert rec["steps"] == 2 and rec["trajectories_per_step"] == 24
     assert rec["per_step"]["reward"] == [0.1, 0.3]
-    assert rec["per_step"]["executed_tool_calls_per_traj"] == [12 / 24, 6 / 24]  # successes are not calls
+    assert rec["per_step"]["executed_tool_calls_per_traj"] == [12 / 24, 6 / 24]  # the total counted once; successes are not calls
     assert rec["mean"]["executed_tool_calls_per_traj"] == pytest.approx((12 / 24 + 6 / 24) / 2)
     assert rec["mean"]["tool_calls_in_traj_per_traj"] == pytest.approx(1.0)
     assert rec["mean"]["branches"] == 3.0 and rec["mean"]["tokens_generated"] == 800.0
