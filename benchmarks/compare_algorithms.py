@@ -373,6 +373,19 @@ def markdown(report: dict) -> str:
             + (f" (× {vs['executed_tool_calls_ratio']:.2f})" if vs else "")
             + f" | {r['eval_tool_calls_per_question'][0]:.2f} | {t['branches'][0]:.1f} | {t['tokens_generated'][0]:,.0f}"
             f" | {t['tokens_trained'][0]:,.0f} | {t['step_s'][0]:.0f} |")
+    lines += ["", "Branching, per step (means over steps and pairs): the rule's draws are the tool results of "
+              "trajectories whose prompt had a free slot; calls in trajectories count a branch's inherited calls.", "",
+              "| algorithm | branches | draws | fire rate | entropy before tools | entropy after tools | executed calls / "
+              "traj | calls in trajectories / traj |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for a, r in algos.items():
+        t = r["train"]
+
+        def g(k, f="{:.2f}"):
+            return f.format(t[k][0]) if k in t else "—"
+        rate = (f"{t['branches'][0] / t['branch_draws'][0]:.2f}" if t.get("branch_draws", (0,))[0] else "—")
+        lines.append(f"| {a.upper()} | {g('branches', '{:.1f}')} | {g('branch_draws', '{:.1f}')} | {rate} | "
+                     f"{g('entropy_before_tools')} | {g('entropy_after_tools')} | {g('executed_tool_calls_per_traj')} | "
+                     f"{g('tool_calls_in_traj_per_traj')} |")
     lines += ["", "Gain over SFT per seed pair (paired bootstrap over questions):", "",
               "| algorithm | " + " | ".join(f"pair {p}" for p in pairs) + " |", "|---|" + "---|" * len(pairs)]
     for a, r in algos.items():
