@@ -18,8 +18,8 @@ Departures from the HF engine, and why
   no guarantee across batch compositions, and its noise differs from the HF engine's, so the same
   seed gives different tokens on the two engines.
 - Weight sync goes through `collective_rpc("reload_weights", weights_iterator=...)` on the
-  workers (works on CPU, where `model.load_weights` on the repacked weights does not; vLLM 0.32
-  has it, older vLLM is refused at start). The engine runs in this
+  workers (works on CPU, where `model.load_weights` on the repacked weights does not; the vLLM
+  0.32 that the `vllm` extras install has it). The engine runs in this
   process, so the iterator is our generator, consumed lazily: one gathered parameter at a time
   (vLLM buffers at most one layer before processing it). Send the full set of weights: vLLM
   re-processes layers as whole units (a tied `lm_head.weight` is added when only the embedding is
@@ -57,10 +57,11 @@ _INSTALL_HINT = (
 )
 
 
-# Set whatever the user's environment says: on every device the engine runs *in this process*. A
-# separate engine process would see the trainer's GPU memory as used and refuse
-# `gpu_memory_utilization`, and the weight sync would have to serialise every tensor across the
-# process boundary; in-process, collective_rpc hands our generator to the worker directly.
+# Set whatever the environment says (a different value is overridden, with a warning): on every
+# device the engine runs *in this process*. A separate engine process would see the trainer's GPU
+# memory as used and refuse `gpu_memory_utilization`, and the weight sync would have to serialise
+# every tensor across the process boundary; in-process, collective_rpc hands our generator to the
+# worker directly.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
