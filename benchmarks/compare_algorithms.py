@@ -117,7 +117,8 @@ def last_per_step(metrics_file: Path) -> list[dict]:
 def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
     """Per-step training numbers of one run: executed tool calls (every tool's `calls` counter, summed
     over ranks) per trajectory, tool calls counted in the trajectories (a branch inherits its
-    prefix's), branches and the branch rule's draws (branches / draws = how often it fires), generated tokens (the engine's new tokens, tool results excluded), trained
+    prefix's), branches and the branch rule's draws (branches / draws = how often it fires), generated
+    tokens (the engine's new tokens, tool results excluded), trained
     tokens (prompt + response rows of the update's batch), step and rollout seconds, and the entropy
     around tool calls (ARPO's branching signal)."""
     steps = last_per_step(metrics_file)
@@ -213,7 +214,8 @@ class Store:
         write_atomic(self.root / f"{result['algo']}_pair{result['pair']}.json", result)
 
     def runs(self) -> dict[tuple[str, int], dict]:
-        return {(r["algo"], r["pair"]): r for r in (json.loads(p.read_text()) for p in sorted(self.root.glob("*_pair*.json")))}
+        stored = (json.loads(p.read_text()) for p in sorted(self.root.glob("*_pair*.json")))
+        return {(r["algo"], r["pair"]): r for r in stored}
 
 
 # --------------------------------------------------------------------------- the experiment
@@ -249,8 +251,8 @@ class Experiment:
                        self.out / "logs" / "sft.log", self.env)
         if not report.exists():
             tmp = report.with_suffix(".tmp.json")
-            run_logged(eval_command(sft_dir, eval_args(self.test_limit, self.precision), tmp), self.out / "logs" / "eval_sft.log",
-                       self.env)
+            run_logged(eval_command(sft_dir, eval_args(self.test_limit, self.precision), tmp),
+                       self.out / "logs" / "eval_sft.log", self.env)
             os.replace(tmp, report)
         return sft_dir, json.loads(report.read_text())
 
@@ -305,7 +307,8 @@ def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str,
     """The comparison over the pairs every algorithm finished; `sft` is the SFT model's eval_record."""
     pairs = complete_pairs(runs, algos)
     report: dict[str, Any] = {"pairs": pairs, "n_questions": len(sft["correct"]), "sft": {
-        "accuracy": sft["accuracy"], "per_kind": sft["per_kind"], "tool_calls_per_question": sft["tool_calls_per_question"]},
+        "accuracy": sft["accuracy"], "per_kind": sft["per_kind"],
+        "tool_calls_per_question": sft["tool_calls_per_question"]},
         "algos": {}, "vs_baseline": {}}
     if not pairs:
         return report
@@ -455,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="2 SFT and 2 RL steps, 30 test questions")
     p.add_argument("--tiny", action="store_true", help="the random tiny model (plumbing only)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="bf16 where the CPU has native bf16, else fp32 (auto); one per experiment (the store refuses a mix)")
+                   help="bf16 where the CPU has native bf16, else fp32 (auto); one per experiment "
+                        "(the store refuses a mix)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides for every RL run")
     return p
 
