@@ -118,6 +118,19 @@ MODEL_DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16")
 """Accepted values of fsdp_config.model_dtype besides null (training_core.model_dtype)."""
 
 
+def resolve_model_dtype(value: str | None, trained: bool, device_type: str) -> str:
+    """"float32" or "bfloat16": the dtype a model's weights are loaded in (`fsdp_config.model_dtype`,
+    verl's key). null: fp32 for a trained model (actor, critic: the optimizer's master weights); for
+    the frozen reference bf16 on CUDA, as verl loads it (half the memory and half the init broadcast;
+    it computes in bf16 there anyway), and fp32 on the CPU, where bf16 is emulated on most machines
+    (docs/performance.md, "Precision on the CPU")."""
+    if value is not None:
+        if value not in MODEL_DTYPE_NAMES:
+            raise ValueError(f"fsdp_config.model_dtype={value!r}: choose one of {sorted(MODEL_DTYPE_NAMES)} or null")
+        return "bfloat16" if value.startswith("b") else "float32"
+    return "bfloat16" if not trained and device_type == "cuda" else "float32"
+
+
 @dataclass(frozen=True)
 class FSDPConfig:
     param_offload: bool = False

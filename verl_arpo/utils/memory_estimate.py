@@ -125,10 +125,12 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
 
 
 def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
-    """training_core.model_dtype for the reference: null is bf16 on CUDA (dtype_bytes 2), fp32 on the CPU."""
-    if model_dtype is None:
-        return dtype_bytes
-    return 2 if model_dtype in ("bfloat16", "bf16") else 4
+    """Bytes per reference parameter, by the workers' own rule (job_config.resolve_model_dtype): null
+    is bf16 on CUDA (dtype_bytes 2), fp32 on the CPU."""
+    from verl_arpo.utils.job_config import resolve_model_dtype
+
+    name = resolve_model_dtype(model_dtype, trained=False, device_type="cuda" if dtype_bytes == 2 else "cpu")
+    return 2 if name == "bfloat16" else 4
 
 
 def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, float]]:

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from verl_arpo.utils.job_config import MODEL_DTYPE_NAMES, OptimConfig
+from verl_arpo.utils.job_config import OptimConfig, resolve_model_dtype
 from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree
 
 logger = logging.getLogger(__name__)
@@ -284,20 +284,9 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-MODEL_DTYPES = {name: torch.bfloat16 if name.startswith("b") else torch.float32 for name in MODEL_DTYPE_NAMES}
-
-
 def model_dtype(value: str | None, trained: bool, device_type: str) -> torch.dtype:
-    """The dtype a model's weights are loaded and sharded in (`fsdp_config.model_dtype`, verl's key).
-    null: fp32 for a trained model (actor, critic: the optimizer's master weights); for the frozen
-    reference bf16 on CUDA, as verl loads it (half the memory and half the init broadcast; it
-    computes in bf16 there anyway), and fp32 on the CPU, where bf16 is emulated on most machines
-    (docs/performance.md, "Precision on the CPU")."""
-    if value is not None:
-        if value not in MODEL_DTYPES:
-            raise ValueError(f"fsdp_config.model_dtype={value!r}: choose one of {sorted(MODEL_DTYPES)} or null")
-        return MODEL_DTYPES[value]
-    return torch.bfloat16 if not trained and device_type == "cuda" else torch.float32
+    """The torch dtype of job_config.resolve_model_dtype: the weights as loaded and sharded."""
+    return getattr(torch, resolve_model_dtype(value, trained, device_type))
 
 
 def fsdp_mixed_precision(mixed_precision: dict | None, device_type: str):
