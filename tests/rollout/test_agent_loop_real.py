@@ -119,3 +119,25 @@ def test_async_same_tree_twice_with_fixed_latency_tools(tool_model, tiny_tokeniz
     assert torch.allclose(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5)
     m = a.meta_info["metrics"]
     assert 0 < m["rollout/engine_busy_fraction"] <= 1
+
+
+@pytest.mark.parametrize("mode", ROLLOUT_MODES)
+def test_calculate_log_probs_off_keeps_the_tree_and_drops_rollout_log_probs(tool_model, tiny_tokenizer, mode):
+    """[issue 31, item 5] verl's `rollout.calculate_log_probs=False`: the same seed grows the same tree
+    with the same tokens (the sampled token's log-prob feeds nothing in the rollout), and the batch has
+    no `rollout_log_probs`, so the actor records no mismatch metrics and TIS is refused by validation."""
+    tok = tiny_tokenizer
+    outs = {}
+    for on in (True, False):
+        engine = HFEngine(tool_model, tok, dtype="float32", seed=0)
+        executor = ToolExecutor({"python": PythonTool(timeout=10),
+                                 "search": LocalSearchTool(max_results=1, result_length=120)},
+                                max_workers=4, timeout=30, retry_count=0, call_limit=2)
+        cfg = RolloutConfig(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
+                            response_length=64, temperature=1.0, call_limit=2, seed=5, calculate_log_probs=on)
+        outs[on] = build_agent_loop(mode, engine, tok, executor, cfg).generate_sequences(_prompts(tok, 2))
+    with_lp, without = outs[True], outs[False]
+    assert "rollout_log_probs" in with_lp.batch.keys() and "rollout_log_probs" not in without.batch.keys()
+    assert torch.equal(with_lp.batch["responses"], without.batch["responses"])
+    assert torch.equal(with_lp.batch["response_mask"], without.batch["response_mask"])
+    assert list(with_lp.non_tensor_batch["traj_id"]) == list(without.non_tensor_batch["traj_id"])

@@ -230,6 +230,25 @@ def test_statistics_window_costs_only_its_tokens(vllm_engine, tok, prompts):
     assert two.topk_logprobs[:w] == one.topk_logprobs[:w] and all(x == [] for x in two.topk_logprobs[w:])
 
 
+def test_calculate_log_probs_off_asks_vllm_for_nothing_past_the_window(vllm_engine, tok, prompts):
+    """[issue 31, item 5] `calculate_log_probs=False` (SamplingParams.logprobs): past the branch rule's
+    window vLLM is asked for no log-probs at all (`logprobs=None`, so its sampler gathers nothing);
+    inside it only the top-k the rule reads. Seeded sampling gives the same tokens either way."""
+    import dataclasses
+
+    on = SamplingParams(temperature=1.0, logprobs_topk=4, full_entropy=False, stats_window=5)
+    off = dataclasses.replace(on, logprobs=False)
+    r_on, r_off = req("a", prompts[0], 30, on, seed=3), req("a", prompts[0], 30, off, seed=3)
+    assert vllm_engine._params(r_off, 25, stats=False).logprobs is None
+    assert vllm_engine._params(r_on, 25, stats=False).logprobs == 0
+    assert vllm_engine._params(r_off, 5).logprobs == 4 == vllm_engine._params(r_on, 5).logprobs
+    assert vllm_engine._params(req("a", prompts[0], 30, dataclasses.replace(off, logprobs_topk=0)), 5).logprobs is None
+    a, b = vllm_engine.generate([r_on])[0], vllm_engine.generate([r_off])[0]
+    assert len(a.token_ids) > 5 and a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert len(a.logprobs) == len(a.token_ids) and len(b.logprobs) == 5   # the window's only
+    assert b.topk_logprobs[:5] == a.topk_logprobs[:5]
+
+
 def test_requests_at_any_time_match_generate(vllm_engine, tok, prompts):
     """add_requests/step (rollout.mode=async_with_tool): requests join while others decode and
     leave when done; greedy outputs equal one `generate` call's, a statistics window included."""

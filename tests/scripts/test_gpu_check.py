@@ -26,10 +26,16 @@ def _run(tmp_path, model_dir, engines, variants="base"):
 
 def test_gpu_check_passes_on_the_host_with_the_hf_engine(tiny_model_dir, tmp_path):
     rows = _run(tmp_path, tiny_model_dir, "hf")
-    assert [k for k in rows] == ["env", "engine:hf", "sync_memory:hf", "train:hf"]
+    assert [k for k in rows] == ["env", "engine:hf", "sync_memory:hf", "throughput:hf", "train:hf"]
     assert all(r["status"] == "PASS" for r in rows.values()), rows
     assert rows["sync_memory:hf"]["growth"] <= rows["sync_memory:hf"]["largest_param"] + 16 * 2**20
     assert "mismatch/log_prob_abs_diff" in rows["train:hf"]["metrics"]
+    # [issue 31, item 5] the A/B: every setting measured, ratios to the defaults of the same run
+    tput = rows["throughput:hf"]
+    assert set(tput["tokens_per_s"]["eager"]) == {f"seeds={a},logprobs={b}" for a in (True, False) for b in (True, False)}
+    assert all(v > 0 for v in tput["tokens_per_s"]["eager"].values())
+    base = tput["tokens_per_s"]["eager"]["seeds=True,logprobs=True"]
+    assert tput["ratios"]["no seeds"] == pytest.approx(tput["tokens_per_s"]["eager"]["seeds=False,logprobs=True"] / base)
 
 
 @pytest.mark.slow
@@ -47,7 +53,8 @@ def test_gpu_check_passes_on_the_host_with_vllm(tmp_path):
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0, hidden_size=128, intermediate_size=256)  # head_dim 32
     rows = _run(tmp_path, model_dir, "vllm", "base,async")
-    assert [k for k in rows] == ["env", "engine:vllm", "sync_memory:vllm", "train:vllm", "train:vllm+async"]
+    assert [k for k in rows] == ["env", "engine:vllm", "sync_memory:vllm", "throughput:vllm", "train:vllm",
+                                 "train:vllm+async"]
     assert all(r["status"] == "PASS" for r in rows.values()), rows
 
 

@@ -82,8 +82,8 @@ def test_gpu_script_trains_two_steps_on_cpu(script, tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_gpu_scripts_run_vllm_at_verls_speed(script, engine, tmp_path):
     """[issue 31, item 5] With vLLM (their default engine) the GPU scripts turn on CUDA graphs, vLLM's
-    batched sampler and verl's 256 sequences; with the hf engine, which has none of these settings,
-    they pass none of them. Hydra composes the script's command line (`--cfg job`), nothing trains."""
+    batched sampler, verl's 256 sequences and no rollout log-probs (verl's `calculate_log_probs=False`: no
+    script sets TIS); with the hf engine, which has none of these settings, they pass none of them. Hydra composes the script's command line (`--cfg job`), nothing trains."""
     from omegaconf import OmegaConf
 
     env = _env(ROLLOUT_NAME=engine, ACTOR_MODEL_PATH=str(tmp_path / "m"), SAVE_PATH=str(tmp_path / "save"),
@@ -92,9 +92,9 @@ def test_gpu_scripts_run_vllm_at_verls_speed(script, engine, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rollout = OmegaConf.create(proc.stdout).actor_rollout_ref.rollout
-    speed = (rollout.enforce_eager, rollout.seed_requests, rollout.max_num_seqs)
+    speed = (rollout.enforce_eager, rollout.seed_requests, rollout.max_num_seqs, rollout.calculate_log_probs)
     assert rollout.name == engine
-    assert speed == ((False, False, 256) if engine == "vllm" else (True, True, 1024))  # the YAML's CPU defaults
+    assert speed == ((False, False, 256, False) if engine == "vllm" else (True, True, 1024, True))  # the YAML's CPU defaults
 
 
 @pytest.mark.vllm

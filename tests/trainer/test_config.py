@@ -209,6 +209,7 @@ RULES = [  # (override, key named in the error)
     ("algorithm.rollout_is=true", "algorithm.rollout_is"),
     ("algorithm.rollout_is_mode=mask", "algorithm.rollout_is_mode"),
     ("algorithm.rollout_is_threshold=0", "algorithm.rollout_is_threshold"),
+    ("actor_rollout_ref.rollout.calculate_log_probs=false", "actor_rollout_ref.rollout.calculate_log_probs"),  # + TIS
     ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=nope", "actor_rollout_ref.actor.policy_loss.loss_mode"),
     ("trainer.logger=[console,mlflow]", "trainer.logger"),
@@ -231,6 +232,9 @@ def test_each_bad_value_fails_naming_its_key(good, paths, override, key):
     extra = ["actor_rollout_ref.actor.use_dynamic_bsz=true"] if "max_token_len" in k else []
     if k == "custom_reward_function.name":
         extra = [f"custom_reward_function.path={paths / 'reward.py'}"]
+    if k.endswith("calculate_log_probs"):   # refused only where TIS needs the engine's log-probs
+        extra = ["algorithm.rollout_is_threshold=2.0"]
+        validate_config(OmegaConf.merge(good, OmegaConf.from_dotlist([override])))  # alone it is valid
     cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([override, *extra]))
     problems = problems_of(cfg)
     assert key in problems, problems

@@ -334,6 +334,9 @@ def _check_algorithm(c: DictConfig, add: Callable[[str, str], None]) -> None:
     cap = _select(c, "algorithm.rollout_is_threshold")
     if cap is not None and (_as_float(cap) is None or _as_float(cap) <= 0):
         add("algorithm.rollout_is_threshold", "must be null (off) or a number > 0 (e.g. 2.0)")
+    if cap is not None and _select(c, f"{AR}.rollout.calculate_log_probs", True) is False:
+        add(f"{AR}.rollout.calculate_log_probs", "must be true when algorithm.rollout_is_threshold is set: "
+            "the importance weights need the engine's log-probs")
     if _select(c, "algorithm.rollout_is", False) is True and cap is None:
         add("algorithm.rollout_is", "needs algorithm.rollout_is_threshold (the weight cap, e.g. 2.0)")
     for leaf, choices in (("rollout_is_level", ROLLOUT_IS_LEVELS), ("rollout_is_mode", ROLLOUT_IS_MODES)):

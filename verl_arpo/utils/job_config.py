@@ -287,6 +287,7 @@ class RolloutSection:
     max_rounds: int | None = None
     seed: int = 0
     seed_requests: bool = True
+    calculate_log_probs: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     tools: ToolsConfig = field(default_factory=ToolsConfig)

@@ -104,10 +104,13 @@ def init_sharded_model(load_full, build_empty, shard, device: torch.device, *, o
 
     Rank 0 alone reads the checkpoint into host memory (`load_full()`); every rank builds the same
     module on the meta device (`build_empty()`), shards it (`shard(module)`), allocates only its
-    shard on `device` (the host with `offload`), and receives its slice of every parameter from
-    rank 0 (`set_model_state_dict(..., broadcast_from_rank0=True)`, one parameter at a time).
+    shard on `device`, and receives its slice of every parameter from rank 0
+    (`set_model_state_dict(..., broadcast_from_rank0=True)`, one parameter at a time).
     Buffers are not sharded and not all in the state dict (rotary `inv_freq` is non-persistent, and
     `to_empty` leaves it garbage), so each is copied from rank 0's module and broadcast as it is.
+    With `offload` (FSDP2's CPUOffloadPolicy) the broadcast still runs on `device` — NCCL on a GPU,
+    not the whole model through gloo — and only then do the parameter shards move to the host
+    (`offload_params_to_host`); the buffers stay on `device`, where the forward runs.
     Without a process group (one process) the module is rank 0's own, moved to `device`.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -117,7 +120,7 @@ def init_sharded_model(load_full, build_empty, shard, device: torch.device, *, o
     rank = dist.get_rank()
     full = load_full() if rank == 0 else None
     model = shard(build_empty())
-    model.to_empty(device=torch.device("cpu") if offload else device)
+    model.to_empty(device=device)
     state = full.state_dict() if full is not None else {}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     full_buffers = dict(full.named_buffers()) if full is not None else {}
@@ -127,9 +130,25 @@ def init_sharded_model(load_full, build_empty, shard, device: torch.device, *, o
         if dist.get_world_size() > 1:
             dist.broadcast(buf, src=0)
     del full, state, full_buffers
+    if offload:
+        offload_params_to_host(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # nothing of the load stays reserved for the engine to trip over
     return model
+
+
+def offload_params_to_host(model: torch.nn.Module) -> None:
+    """Move the parameter shards of an FSDP2 model built on its device to the host, as CPUOffloadPolicy
+    requires, and leave the buffers where they are (the forward runs on the device). `Module.to`
+    swaps each DTensor in place, and FSDP2 re-reads every shard at its lazy init
+    (`reset_sharded_param`), so this must come before the first forward. No-op on the host."""
+    host = torch.device("cpu")
+    if all(p.device == host for p in model.parameters()):
+        return
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    model.to(host)
+    for m, name, b in buffers:   # not FSDP-managed: put the originals back
+        m._buffers[name] = b
 
 
 def to_device(micro, device: torch.device):

@@ -96,6 +96,8 @@ class RolloutConfig:
     seed_requests: bool = _SECTION.seed_requests
     """give every generation request its own sampling seed (reproducible trees); off, the engine's
     own stream samples (vLLM then draws the whole batch at once: no per-request generator)."""
+    calculate_log_probs: bool = _SECTION.calculate_log_probs
+    """the engine returns each sampled token's log-prob; the batch then carries `rollout_log_probs`."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """validation sampling (`rollout.val_kwargs`): greedy by default, n = 1, never branches."""
 
@@ -249,6 +251,7 @@ class AgentLoop:
         sp.logprobs_topk = cfg.entropy_topk if cfg.entropy_mode == "topk_proxy" else 0
         sp.full_entropy = cfg.entropy_mode == "full"
         sp.stats_window = cfg.entropy_window  # the branch rule reads no statistics past it
+        sp.logprobs = cfg.calculate_log_probs
         return n, rule, sp
 
     def _unpad_prompts(self, prompts: DataProto) -> list[list[int]]:
@@ -285,7 +288,7 @@ class AgentLoop:
         content), or None when the trajectory ended (EOS, length, call limit)."""
         cfg = self.cfg
         self._stats["rollout/tokens_generated"] += len(out.token_ids)
-        t.append(list(out.token_ids), 1, list(out.logprobs))
+        t.append(list(out.token_ids), 1, list(out.logprobs) if cfg.calculate_log_probs else None)
         h = branching.round_entropy(out, cfg.entropy_mode, self.vocab_size, cfg.entropy_window)
         t.round_entropies.append(h)
         t.base_entropy = h if t.base_entropy is None else t.base_entropy
@@ -397,8 +400,10 @@ class AgentLoop:
             "prompts": prompt_tokens, "responses": responses,
             "input_ids": torch.cat([prompt_tokens, responses], dim=-1),
             "attention_mask": attention_mask, "position_ids": compute_position_id_with_mask(attention_mask),
-            "response_mask": response_mask, "rollout_log_probs": logprobs,
+            "response_mask": response_mask,
         }
+        if self.cfg.calculate_log_probs:   # verl's key: only when the mismatch metrics or TIS read them
+            tensors["rollout_log_probs"] = logprobs
         non_tensors = {
             "traj_id": as_object_array([t.traj_id for t in trajs]),
             "parent_id": as_object_array([t.parent_id for t in trajs]),

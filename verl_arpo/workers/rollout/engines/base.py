@@ -50,6 +50,9 @@ class SamplingParams:
     """draw only from the k most likely tokens (-1 or 0 = no limit)."""
     greedy: bool = False
     """argmax decoding; reported log-probs are then those of softmax(logits) (T = 1)."""
+    logprobs: bool = True
+    """return the sampled token's log-prob at every position (`rollout.calculate_log_probs`); False
+    lets an engine skip that work, and `GenOutput.logprobs` may then be shorter than the tokens."""
     logprobs_topk: int = 10
     """how many top log-probs per generated position to return (0 = none)."""
     full_entropy: bool = True

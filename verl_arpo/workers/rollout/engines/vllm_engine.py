@@ -236,8 +236,17 @@ class VLLMEngine(InferenceEngine):
             top_k=0 if sp.is_greedy or sp.top_k <= 0 else int(sp.top_k),
             seed=seed, max_tokens=int(max_tokens), stop=list(req.stop) or None,
             include_stop_str_in_output=True, skip_special_tokens=False,
-            # logprobs=0 still returns the sampled token's log-prob; -1 returns the whole vocab.
-            logprobs=-1 if want_entropy else (max(int(sp.logprobs_topk), 0) if stats else 0))
+            logprobs=self._logprobs_arg(sp, stats, want_entropy))
+
+    @staticmethod
+    def _logprobs_arg(sp, stats: bool, want_entropy: bool) -> int | None:
+        """vLLM's `logprobs`: -1 the whole vocabulary (exact entropy), k the top k (the branch rule's
+        statistics), 0 the sampled token's log-prob only, None nothing (no log-softmax gathered:
+        `calculate_log_probs=False` outside the statistics window)."""
+        if want_entropy:
+            return -1
+        k = max(int(sp.logprobs_topk), 0) if stats else 0
+        return k if k > 0 or sp.logprobs else None
 
     def _rest_params(self, req: GenRequest, done: int):
         """The second call of a round: the tokens left after the statistics window, no statistics,
