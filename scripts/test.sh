@@ -30,6 +30,7 @@ done
 # shellcheck source=scripts/setup_env.sh
 source "$ROOT/scripts/setup_env.sh"
 setup_env
+setup_reference_verl
 if [ "$RUN_SLOW" = 1 ]; then setup_bench; fi
 if [ "$RUN_VLLM" = 1 ]; then setup_vllm; fi
 if [ "$RUN_MULTINODE" = 1 ]; then setup_multinode; fi
@@ -44,6 +45,7 @@ for m in "${MARKERS[@]+"${MARKERS[@]}"}"; do
   if [ -z "$EXPR" ]; then EXPR="$m"; else EXPR="$EXPR and $m"; fi
 done
 
+export VERL_ARPO_REQUIRE_VERL=1   # the parity test against the reference verl runs, never skips
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ARGS=(-q --timeout=900)
 [ -n "$EXPR" ] && ARGS+=(-m "$EXPR")
