@@ -69,6 +69,7 @@ def _trainer(model_dir, tok, overrides):
     from verl_arpo.trainer.config import normalize_config, validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset import RLHFDataset
+    from verl_arpo.utils.job_config import JobConfig
 
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
@@ -77,7 +78,8 @@ def _trainer(model_dir, tok, overrides):
                                                          "trainer.logger=[]", *overrides])
     validate_config(cfg)
     cfg = normalize_config(cfg)
-    return RayPPOTrainer(cfg, tok, RLHFDataset(cfg.data.train_files, tok, cfg.data), None, None, None)
+    data = JobConfig.from_mapping(cfg).data
+    return RayPPOTrainer(cfg, tok, RLHFDataset(data.train_files, tok, data), None, None, None)
 
 
 def test_the_trainer_draws_stratified_batches_of_the_bundled_task(tiny_model_dir, tiny_tokenizer):

@@ -41,9 +41,10 @@ def test_splits_do_not_share_entities_or_questions():
 
 
 def test_rl_dataset_loads_bundled_parquet(tiny_tokenizer):
+    from verl_arpo.utils.job_config import DataConfig
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
 
-    ds = RLHFDataset(str(DATA / "valid.parquet"), tiny_tokenizer, {"max_prompt_length": 512})
+    ds = RLHFDataset(str(DATA / "valid.parquet"), tiny_tokenizer, DataConfig(max_prompt_length=512))
     assert len(ds) == 60 and ds.stats["rows_skipped"] == 0
     item = ds[0]
     assert item["data_source"].startswith("arpo_toy_") and item["extra_info"]["kind"] in ("math", "search", "multi")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rel_helpers import fuzz
 
 from verl_arpo.utils.dataset import RLHFDataset, collate_fn
+from verl_arpo.utils.job_config import DataConfig
 
 MESSAGE = pa.struct([("content", pa.string()), ("role", pa.string())])
 HUGE = "word " * 40_000  # 200k characters, ~40k tokens: truncated (left) to max_prompt_length
@@ -133,7 +134,7 @@ def test_bad_rows_are_skipped_counted_and_named(rel_tok, tmp_path_factory, data,
     total = sum(len(exp) for exp in expected.values())
     logs = _capture_warnings()
     try:
-        ds = RLHFDataset(paths, rel_tok, {"max_prompt_length": MAX_LEN, "truncation": "left"})
+        ds = RLHFDataset(paths, rel_tok, DataConfig(max_prompt_length=MAX_LEN, truncation="left"))
     except ValueError as exc:
         event("no good row: ValueError")
         assert good == 0, exc
@@ -187,7 +188,7 @@ def test_corrupt_files_raise_value_error_naming_the_file(rel_tok, tmp_path, cont
     path = tmp_path / "corrupt.parquet"
     path.write_bytes(content)
     with pytest.raises(ValueError, match="corrupt.parquet"):
-        RLHFDataset(str(path), rel_tok, {"max_prompt_length": MAX_LEN})
+        RLHFDataset(str(path), rel_tok, DataConfig(max_prompt_length=MAX_LEN))
 
 
 def test_truncated_file_raises_naming_the_file(rel_tok, tmp_path):
@@ -196,14 +197,14 @@ def test_truncated_file_raises_naming_the_file(rel_tok, tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # a copy interrupted half way
     with pytest.raises(ValueError, match="cut.parquet"):
-        RLHFDataset(str(path), rel_tok, {"max_prompt_length": MAX_LEN})
+        RLHFDataset(str(path), rel_tok, DataConfig(max_prompt_length=MAX_LEN))
 
 
 def test_invalid_utf8_in_a_string_column_skips_only_that_row(rel_tok, tmp_path):
     path = str(tmp_path / "mixed.parquet")
     prompt = _bad_utf8_strings([b"good one?", b"bad \xff\xfe", "Caf\u00e9?".encode(), None])
     pq.write_table(pa.table({"prompt": prompt, "answer": ["a", "b", "c", "d"], "data_source": ["nq"] * 4}), path)
-    ds = RLHFDataset(path, rel_tok, {"max_prompt_length": MAX_LEN})
+    ds = RLHFDataset(path, rel_tok, DataConfig(max_prompt_length=MAX_LEN))
     assert [ds[i]["raw_prompt"][0]["content"] for i in range(len(ds))] == ["good one?", "Caf\u00e9?"]
     assert [(r, f) for _, r, f, _ in ds.skipped] == [(1, "prompt"), (3, "prompt")]
     assert "UTF-8" in ds.skipped[0][3]

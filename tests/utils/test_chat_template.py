@@ -21,13 +21,14 @@ def test_rl_dataset_sft_and_eval_render_with_the_configured_template(tok, tiny_m
     from verl_arpo.trainer.sft_data import tokenize_conversation
     from verl_arpo.utils.chat_template import configure_chat_template
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
+    from verl_arpo.utils.job_config import DataConfig
 
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     want = "<user>What is 2+2?</user><assistant>NOTHINK"
     pd.DataFrame([{"data_source": "arpo_toy_math", "prompt": msgs, "ability": "math",
                    "reward_model": {"ground_truth": "4", "style": "rule"}}]).to_parquet(tmp_path / "t.parquet")
-    cfg = {"custom_chat_template": TEMPLATE, "apply_chat_template_kwargs": {"enable_thinking": False},
-           "max_prompt_length": 512}
+    cfg = DataConfig(custom_chat_template=TEMPLATE, apply_chat_template_kwargs={"enable_thinking": False},
+                     max_prompt_length=512)
     ds = RLHFDataset(str(tmp_path / "t.parquet"), tok, cfg)
     ids = ds[0]["input_ids"]
     ids = ids[ds[0]["attention_mask"].bool()] if hasattr(ids, "shape") else ids

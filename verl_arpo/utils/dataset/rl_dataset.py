@@ -1,14 +1,15 @@
 """RLHFDataset: prompts from one or several parquet files, tokenised with the chat template.
 
-`RLHFDataset(data_files, tokenizer, config)` (verl's name and arguments). Config keys (a dict or
-an OmegaConf node; defaults in brackets):
-- `prompt_key` ["prompt"]: the column holding the prompt;
-- `max_prompt_length` [1024]: prompts are left-padded to this many tokens;
-- `truncation` ["error"]: for a longer prompt, "error" raises (naming the file and row), "left"
-  keeps its last `max_prompt_length` tokens, "right" its first;
-- `filter_overlong_prompts` [False]: drop longer prompts at load time (counted and logged);
-- `return_raw_chat` [True]: also return the chat messages as `raw_prompt`;
-- `system_prompt_override` [None]: replace (or insert) the system message of every prompt.
+`RLHFDataset(data_files, tokenizer, config)` (verl's name and arguments). `config` is the typed `data`
+section (`job_config.DataConfig`; None = its defaults, which are the YAML's, docs/configuration.md):
+- `prompt_key`: the column holding the prompt;
+- `max_prompt_length`: prompts are left-padded to this many tokens;
+- `truncation`: for a longer prompt, "error" raises (naming the file and row), "left" keeps its
+  last `max_prompt_length` tokens, "right" its first;
+- `filter_overlong_prompts`: drop longer prompts at load time (counted and logged);
+- `return_raw_chat`: also return the chat messages as `raw_prompt`;
+- `system_prompt_override`: replace (or insert) the system message of every prompt;
+- `apply_chat_template_kwargs`, `custom_chat_template`: passed to the chat template.
 
 Loading: rows are normalised by `schema.normalize_row` (verl schema and the flat docs schema, see
 there). A malformed row is skipped and counted, with a warning naming file, row number and field
@@ -42,6 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
+from verl_arpo.utils.job_config import DataConfig
 from verl_arpo.utils.resources import resolve_bundled
 
 from .schema import apply_system_prompt, normalize_row, repair_backspace
@@ -51,14 +53,6 @@ __all__ = ["RLHFDataset", "collate_fn"]
 logger = logging.getLogger(__name__)
 MAX_WARNINGS_PER_FILE = 20
 TRUNCATION_MODES = ("error", "left", "right")
-
-
-def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
-    if cfg is None:
-        return default
-    getter = getattr(cfg, "get", None)
-    value = getter(key, default) if callable(getter) else getattr(cfg, key, default)
-    return default if value is None else value
 
 
 def _object_array(values: Sequence[Any]) -> np.ndarray:
@@ -111,7 +105,7 @@ def _records(table) -> tuple[list[dict[str, Any]], dict[int, tuple]]:
 class RLHFDataset(Dataset):
     """Prompts for RL from parquet files (see the module docstring)."""
 
-    def __init__(self, data_files: Any, tokenizer: Any, config: Any = None, processor: Any = None):
+    def __init__(self, data_files: Any, tokenizer: Any, config: DataConfig | None = None, processor: Any = None):
         if processor is not None:
             raise NotImplementedError("multimodal processors are not supported by RLHFDataset")
         if isinstance(data_files, (str, os.PathLike)):
@@ -119,15 +113,20 @@ class RLHFDataset(Dataset):
         self.data_files = [str(resolve_bundled(f)) for f in data_files]  # the cwd, then the bundled task
         if not self.data_files:
             raise ValueError("RLHFDataset: data_files is empty")
+        if config is None:
+            config = DataConfig()
+        if not isinstance(config, DataConfig):
+            raise TypeError(f"RLHFDataset: config is the typed data section (job_config.DataConfig), got "
+                            f"{type(config).__name__}; build it with JobConfig.from_mapping(cfg).data")
         self.tokenizer = tokenizer
-        self.prompt_key = _cfg_get(config, "prompt_key", "prompt")
-        self.max_prompt_length = int(_cfg_get(config, "max_prompt_length", 1024))
-        self.truncation = _cfg_get(config, "truncation", "error")
-        self.filter_overlong_prompts = bool(_cfg_get(config, "filter_overlong_prompts", False))
-        self.return_raw_chat = bool(_cfg_get(config, "return_raw_chat", True))
-        self.system_prompt_override = _cfg_get(config, "system_prompt_override", None)
-        self.chat_template_kwargs = dict(_cfg_get(config, "apply_chat_template_kwargs", None) or {})
-        configure_chat_template(tokenizer, _cfg_get(config, "custom_chat_template", None))
+        self.prompt_key = config.prompt_key
+        self.max_prompt_length = int(config.max_prompt_length)
+        self.truncation = config.truncation
+        self.filter_overlong_prompts = bool(config.filter_overlong_prompts)
+        self.return_raw_chat = bool(config.return_raw_chat)
+        self.system_prompt_override = config.system_prompt_override
+        self.chat_template_kwargs = dict(config.apply_chat_template_kwargs or {})
+        configure_chat_template(tokenizer, config.custom_chat_template)
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         if self.max_prompt_length <= 0:
