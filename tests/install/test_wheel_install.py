@@ -61,6 +61,27 @@ def test_the_wheel_carries_configs_data_and_converter_identical_to_the_checkout(
         assert (mismatch, errors) == ([], []), (folder, mismatch, errors)
 
 
+def test_the_wheel_declares_its_license_and_metadata(fresh_venv, tmp_path):
+    """[issue 33, item 6] Apache-2.0 (as verl and the reference ARPO code), with the license text in the
+    wheel, an author, the Python range and classifiers, read back with importlib.metadata."""
+    code = ("import importlib.metadata as m, json; d = m.distribution('verl_arpo'); md = d.metadata; "
+            "print(json.dumps({'license': md['License'], 'author': md['Author'], 'requires_python': "
+            "md['Requires-Python'], 'classifiers': md.get_all('Classifier'), 'files': [str(f) for f in d.files "
+            "if 'licenses' in str(f)]}))")
+    r = subprocess.run([str(fresh_venv["py"]), "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    meta = json.loads(r.stdout)
+    assert meta["license"] == "Apache-2.0" and meta["author"]
+    assert meta["requires_python"] == ">=3.10"
+    assert "Programming Language :: Python :: 3.11" in meta["classifiers"]
+    shipped = next(f for f in meta["files"] if f.endswith("licenses/LICENSE"))
+    text = (fresh_venv["site"] / shipped).read_text()
+    assert text == (ROOT / "LICENSE").read_text() and "Apache License" in text and "Version 2.0" in text
+
+
 def test_train_two_steps_and_convert_from_the_installed_package(fresh_venv, tiny_model_dir, tmp_path):
     venv, py = fresh_venv["venv"], fresh_venv["py"]
     run = subprocess.run(
