@@ -233,15 +233,22 @@ def test_a_worker_call_past_its_timeout_ends_the_run_naming_it(ray_local, tool_m
     assert time.monotonic() - t0 < 120
 
 
-def test_save_freq_minus_one_saves_at_the_end_and_val_only_validates_that(ray_local, tool_model_dir, toy_data, tmp_path):
-    """trainer.save_freq=-1 is documented as "only at the end": the run leaves a checkpoint to
-    convert (it used to save nothing); trainer.val_only=true then validates that checkpoint and stops."""
+def test_save_freq_minus_one_never_saves_and_val_only_validates_the_last_checkpoint(ray_local, tool_model_dir, toy_data,
+                                                                                     tmp_path):
+    """[issue 33, item 3] trainer.save_freq=-1 means never save, as in verl; save_freq=N saves every N steps
+    and at the end. trainer.val_only=true then validates the last checkpoint and stops."""
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
 
-    base = _overrides(tool_model_dir, toy_data, tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=-1",
+    never = _overrides(tool_model_dir, toy_data, tmp_path / "never", ["trainer.total_training_steps=1",
+                                                                       "trainer.save_freq=-1", "trainer.val_before_train=false",
+                                                                       "trainer.test_freq=-1"])
+    run_ppo(_compose(never))
+    assert not list((tmp_path / "never").glob("global_step_*"))
+    assert not (tmp_path / "never" / "latest_checkpointed_iteration.txt").exists()
+    base = _overrides(tool_model_dir, toy_data, tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=3",
                                                            "trainer.val_before_train=false", "trainer.test_freq=-1"])
     run_ppo(_compose(base))
-    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2"]
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2"]   # the end, not step 3
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     metrics = run_ppo(_compose(base + ["trainer.val_only=true"]))
     assert "val/arpo_toy_math/score/mean" in metrics and not any(k.startswith("actor/") for k in metrics)

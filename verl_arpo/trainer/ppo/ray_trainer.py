@@ -473,14 +473,18 @@ class RayPPOTrainer:
                 last_metrics = self._guard(self.validate, 0)
                 tracker.log(last_metrics, step=0)
             save_freq, test_freq = int(cfg.save_freq), int(cfg.test_freq)
+            if save_freq <= 0:
+                logger.warning("trainer.save_freq=%d: no checkpoint will be written (verl's meaning; a "
+                               "preemption still saves the step in flight). Set trainer.save_freq=N > 0 to "
+                               "save every N steps and at the end", save_freq)
             for step in range(start + 1, self.total_training_steps + 1):
                 self.global_steps = step
                 metrics = self._guard(self.train_step, step)
                 last = step == self.total_training_steps
                 if test_freq > 0 and (step % test_freq == 0 or last):
                     metrics.update(self._guard(self.validate, step))
-                # save_freq N > 0: every N steps and at the end; -1: at the end only; 0: never
-                saved = (save_freq > 0 and step % save_freq == 0) or (last and save_freq != 0)
+                # verl's meaning: save_freq N > 0 saves every N steps and at the end; 0 or -1 never
+                saved = save_freq > 0 and (step % save_freq == 0 or last)
                 if saved or (preempt.requested and not last):  # SIGTERM: keep this step's work
                     self._guard(self.save_checkpoint, step)
                 metrics["training/global_step"] = step
