@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from verl_arpo.utils.job_config import OptimConfig
+        from verl_arpo.utils.job_config import Batching, OptimConfig
         from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
         from verl_arpo.workers.training_core import (build_adamw, fsdp_mixed_precision, init_sharded_model,
                                                      load_causal_lm, shard_fsdp2)
@@ -80,10 +80,10 @@ def child(spec: dict) -> dict:
                                    lambda: load_causal_lm(spec["model"], empty=True, **kw),
                                    lambda m: shard_fsdp2(m, mesh, mp_policy=mp), torch.device("cpu"))
         opt = build_adamw(model.parameters(), OptimConfig(lr=1e-6))
-        actor = DataParallelPPOActor(dict(ppo_mini_batch_size=len(data), use_dynamic_bsz=True,
-                                          ppo_max_token_len_per_gpu=int(spec["micro_tokens"]), grad_clip=1.0),
-                                     model, opt, use_remove_padding=bool(spec["packing"]),
-                                     use_prefix_sharing=bool(spec["sharing"]))
+        update = Batching(micro_batch=len(data), use_dynamic_bsz=True, max_token_len=int(spec["micro_tokens"]),
+                          mini_batch=len(data))   # one worker, one mini-batch of token-budget micro-batches
+        actor = DataParallelPPOActor(dict(grad_clip=1.0), model, opt, update=update,
+                                     use_remove_padding=bool(spec["packing"]), use_prefix_sharing=bool(spec["sharing"]))
 
         def step():
             actor.update_policy(data)

@@ -59,12 +59,12 @@ def profile_ours(spec: dict, top: int) -> str:
 
     import torch
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from verl_arpo.trainer.config import normalize_config, validate_config
+    from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
+    from verl_arpo.utils.job_config import JobConfig
     from verl_arpo.utils.reward_manager import load_reward_manager
     from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
 
@@ -78,11 +78,11 @@ def profile_ours(spec: dict, top: int) -> str:
     with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
         cfg = compose(config_name="cpu_tiny", overrides=ours_overrides(dict(spec, workers=1)))
     validate_config(cfg)
-    cfg = normalize_config(cfg)
+    cfg = JobConfig.from_mapping(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     ds = RLHFDataset(cfg.data.train_files, tok, cfg.data)
     trainer = RayPPOTrainer(cfg, tok, ds, None, load_reward_manager(cfg, tok, num_examine=0), None)
-    worker = ActorRolloutRefWorker(OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True), role="actor_rollout_ref")
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, cfg.derived, role="actor_rollout_ref")
     worker.init_model(trainer.total_training_steps, False, 0)
     trainer.actor_rollout_wg = LocalGroup(worker)
     trainer.n_workers = 1

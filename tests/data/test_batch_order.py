@@ -66,7 +66,7 @@ def test_label_count_must_match():
 def _trainer(model_dir, tok, overrides):
     from hydra import compose, initialize_config_dir
 
-    from verl_arpo.trainer.config import normalize_config, validate_config
+    from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset import RLHFDataset
     from verl_arpo.utils.job_config import JobConfig
@@ -77,7 +77,6 @@ def _trainer(model_dir, tok, overrides):
                                                          "data.max_prompt_length=384", "data.val_files=null",
                                                          "trainer.logger=[]", *overrides])
     validate_config(cfg)
-    cfg = normalize_config(cfg)
     data = JobConfig.from_mapping(cfg).data
     return RayPPOTrainer(cfg, tok, RLHFDataset(data.train_files, tok, data), None, None, None)
 

@@ -158,7 +158,7 @@ KEYS = INT_GE1 + NULL_OR_INT_GE1 + INT_ANY + sorted(CHOICES) + sorted(FLOATS) + 
     f"{AR}.actor.clip_ratio_low", f"{AR}.actor.clip_ratio_high", f"{AR}.actor.grad_clip", f"{AR}.actor.max_grad_norm",
     "data.val_files", "custom_reward_function.path", "custom_reward_function.name", "reward_model.enable", "critic",
     f"{AR}.actor.use_dynamic_bsz", f"{AR}.actor.ppo_max_token_len_per_gpu", f"{AR}.actor.ppo_micro_batch_size",
-    f"{AR}.rollout.log_prob_micro_batch_size", "trainer.config_normalized", "trainer.resume_from_path",
+    f"{AR}.rollout.log_prob_micro_batch_size", "trainer.resume_from_path",
     "trainer", "data", AR, f"{AR}.rollout", "algorithm"]
 
 

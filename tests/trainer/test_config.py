@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from verl_arpo.trainer import main_ppo
 from verl_arpo.utils.secrets import is_secret_key
-from verl_arpo.trainer.config import (ConfigError, mask_secrets, normalize_config, parse_logger, resolve_device,
+from verl_arpo.trainer.config import (ConfigError, mask_secrets, parse_logger, resolve_device,
                                       validate_config)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,27 +293,28 @@ def test_main_with_a_bad_value_exits_quickly_without_ray(paths, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-# ------------------------------------------------------------------------------------------- normalize
-def test_normalize_fills_run_time_fields_on_a_copy(good):
+# ------------------------------------------------------------------------------------------- derived values
+def test_user_keys_keep_their_meaning_and_worker_sizes_are_derived(good):
+    """[issue 32, item 2] Nothing rewrites a user key: ppo_mini_batch_size stays in prompts, and what a
+    worker runs (trajectories per worker) is a field of JobConfig.derived, computed there alone."""
+    from verl_arpo.utils.job_config import JobConfig
+
     cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([
-        "actor_rollout_ref.actor.max_grad_norm=0.5", "actor_rollout_ref.rollout.log_prob_micro_batch_size=8",
+        "actor_rollout_ref.actor.max_grad_norm=0.5", "actor_rollout_ref.rollout.log_prob_micro_batch_size=16",
         "trainer.logger=[console, jsonl]", "actor_rollout_ref.rollout.multi_turn.enable="]))
     cfg.trainer.logger = "[console, jsonl]"  # the seeds' string form
+    validate_config(cfg)
     before = OmegaConf.to_container(cfg)
-    out = normalize_config(cfg)
+    job = JobConfig.from_mapping(cfg)
     assert OmegaConf.to_container(cfg) == before  # not mutated
-    actor = out.actor_rollout_ref.actor
-    assert actor.ppo_mini_batch_size == 1 * 4 // 2  # prompts × n ÷ workers
-    assert actor.grad_clip == 0.5
-    assert out.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 8 // 2
-    assert out.actor_rollout_ref.rollout.multi_turn.enable is True
-    assert list(out.trainer.logger) == ["console", "jsonl"] and out.trainer.device == "cpu"
-    assert out.trainer.config_normalized is True
-    again = normalize_config(out)  # idempotent: no second division
-    assert again.actor_rollout_ref.actor.ppo_mini_batch_size == actor.ppo_mini_batch_size
-    validate_config(out)  # a normalized config still validates
-    with pytest.raises(Exception):
-        out.trainer.no_such_key = 1  # struct mode kept
+    actor, d = job.actor_rollout_ref.actor, job.derived
+    assert actor.ppo_mini_batch_size == 1 and d.actor_update.mini_batch == 1 * 4 // 2  # prompts × n ÷ workers
+    assert actor.grad_clip == 1.0 and actor.max_grad_norm == 0.5 and actor.clip_norm == 0.5  # verl's alias wins
+    per_gpu = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    assert job.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == per_gpu != 16 // 2  # untouched
+    assert d.actor_log_prob.micro_batch == 16 // 2  # the deprecated global size, per worker
+    assert parse_logger(job.trainer.logger) == ["console", "jsonl"]
+    assert not hasattr(job.trainer, "config_normalized")
 
 
 @pytest.mark.parametrize("use_kl_loss,kl_loss_coef,in_reward,kl_coef,want_loss,want_reward", [
@@ -322,17 +323,18 @@ def test_normalize_fills_run_time_fields_on_a_copy(good):
     (False, 0.01, True, 0.0, False, False),    # in-reward KL with β = 0 is off too
     (False, 0.0, True, 0.002, False, True),
 ])
-def test_normalize_decides_once_whether_a_kl_term_is_active(good, use_kl_loss, kl_loss_coef, in_reward, kl_coef,
-                                                            want_loss, want_reward):
-    """[issue 15] The trainer (reference forward), the workers (reference model) and the actor (KL
-    loss) all read these two normalized flags."""
+def test_whether_a_kl_term_is_active_is_derived_once(good, use_kl_loss, kl_loss_coef, in_reward, kl_coef,
+                                                      want_loss, want_reward):
+    """[issue 15, 32] The trainer (reference forward), the workers (reference model) and the actor (KL
+    loss) all read these two derived flags; the user's keys stay as given."""
+    from verl_arpo.utils.job_config import JobConfig
+
     cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([
         f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}", f"actor_rollout_ref.actor.kl_loss_coef={kl_loss_coef}",
         f"algorithm.use_kl_in_reward={in_reward}", f"algorithm.kl_ctrl.kl_coef={kl_coef}"]))
-    out = normalize_config(cfg)
-    assert out.actor_rollout_ref.actor.use_kl_loss is want_loss
-    assert out.algorithm.use_kl_in_reward is want_reward
-    assert normalize_config(out).actor_rollout_ref.actor.use_kl_loss is want_loss
+    job = JobConfig.from_mapping(cfg)
+    assert job.derived.kl_loss_active is want_loss and job.derived.kl_in_reward_active is want_reward
+    assert job.actor_rollout_ref.actor.use_kl_loss is use_kl_loss
 
 
 def test_parse_logger_and_resolve_device():

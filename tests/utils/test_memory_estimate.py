@@ -79,7 +79,9 @@ attn = torch.ones(B, P + R, dtype=torch.long)
 data = DataProto.from_dict(tensors=dict(input_ids=ids, attention_mask=attn, position_ids=torch.arange(P + R).expand(B, -1).clone(),
     responses=ids[:, P:], response_mask=torch.ones(B, R), advantages=torch.randn(B, R, generator=g),
     old_log_probs=-torch.rand(B, R, generator=g)), meta_info={"temperature": 1.0})
-actor = DataParallelPPOActor(dict(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B), model, opt)
+from verl_arpo.utils.job_config import Batching
+actor = DataParallelPPOActor(None, model, opt, update=Batching(micro_batch=B, use_dynamic_bsz=False, max_token_len=B * (P + R),
+                                                               mini_batch=B))
 actor.update_policy(data)
 peak = HOST_MEMORY.take_window_peak()
 print(json.dumps(dict(growth=peak - before, tokens=B * (P + R), response_fraction=R / (P + R))))

@@ -44,14 +44,13 @@ def _job(*overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from verl_arpo.trainer.config import normalize_config
     from verl_arpo.utils.job_config import JobConfig
 
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
         cfg = compose(config_name="quickstart", overrides=["actor_rollout_ref.model.path=/m", "trainer.device=cpu",
                                                            *overrides])
-    return JobConfig.from_mapping(normalize_config(OmegaConf.to_container(cfg, resolve=True)))
+    return JobConfig.from_mapping(OmegaConf.to_container(cfg, resolve=True))
 
 
 def test_the_trainer_names_the_bf16_keys_a_cpu_without_native_bf16_runs_slowly():

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from verl_arpo.protocol import DataProto
+from worker_configs import actor_kwargs, critic_kwargs, log_probs
 
 aten = torch.ops.aten
 DEVICE = torch.device("meta")
@@ -106,10 +107,12 @@ def test_actor_runs_with_a_device_model_and_returns_host_tensors(causal_lm, use_
                ppo_max_token_len_per_gpu=16, use_kl_loss=True, kl_loss_coef=0.1,
                enable_entropy_balanced_advantage=True, entropy_coeff=0.01, grad_clip=1.0)
     opt = torch.optim.AdamW(causal_lm.parameters(), lr=1e-3)
-    actor = DataParallelPPOActor(cfg, causal_lm, opt, use_remove_padding=use_remove_padding, device=DEVICE)
+    kw = actor_kwargs(**cfg)
+    actor = DataParallelPPOActor(actor_module=causal_lm, actor_optimizer=opt, use_remove_padding=use_remove_padding,
+                                 device=DEVICE, **kw)
     mode = SameDevice()
     with mode:
-        log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+        log_probs, entropy = actor.compute_log_prob(data, kw["update"], calculate_entropy=True)
         data.meta_info["rollout_is"] = dict(threshold=2.0, level="token", mode="truncate", apply=True)
         metrics = actor.update_policy(data)
     assert mode.ops > 100  # the forward, backward and step all went through the checks
@@ -128,8 +131,8 @@ def test_critic_runs_with_a_device_model_and_returns_host_tensors(tiny_model_dir
     cfg = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
     model = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, config=cfg).to(DEVICE)
     data = _batch(cfg.vocab_size)
-    critic = DataParallelPPOCritic(dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1), model,
-                                   torch.optim.AdamW(model.parameters(), lr=1e-3), device=DEVICE)
+    critic = DataParallelPPOCritic(critic_module=model, critic_optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   device=DEVICE, **critic_kwargs(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1))
     with SameDevice():
         values = critic.compute_values(data)
         metrics = critic.update_critic(data)
@@ -145,7 +148,7 @@ def test_driver_side_advantages_on_what_the_workers_return(causal_lm):
     data = _batch(causal_lm.config.vocab_size)
     actor = DataParallelPPOActor(None, causal_lm, device=DEVICE)
     with SameDevice():
-        old_log_probs, _ = actor.compute_log_prob(data)
+        old_log_probs, _ = actor.compute_log_prob(data, log_probs(2))
         mask = data.batch["response_mask"]
         rewards = torch.zeros_like(mask)
         rewards[:, 0] = 1.0

@@ -17,6 +17,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.trainer.ppo.core_algos import get_policy_loss_fn
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
+from worker_configs import actor_kwargs, log_probs
 
 P, R = 6, 8
 
@@ -135,7 +136,8 @@ def actor_grad(model, data, **cfg):
     base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), ppo_epochs=1, grad_clip=None)
     packed = cfg.pop("use_remove_padding", False)
     shared = cfg.pop("use_prefix_sharing", False)
-    actor = DataParallelPPOActor({**base, **cfg}, model, opt, use_remove_padding=packed, use_prefix_sharing=shared)
+    actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, use_remove_padding=packed,
+                                 use_prefix_sharing=shared, **actor_kwargs(**{**base, **cfg}))
     metrics = actor.update_policy(data)
     assert len(opt.grads) == 1
     return opt.grads[0], metrics
@@ -162,12 +164,12 @@ def test_compute_log_prob_matches_plain_forward(model):
     actor = DataParallelPPOActor({}, model)
     for temperature in (1.0, 0.7):
         rows = per_row_outputs(model, data, temperature)
-        data.meta_info.update(temperature=temperature, micro_batch_size=4, use_dynamic_bsz=False)
-        lp, ent = actor.compute_log_prob(data, calculate_entropy=True)
+        data.meta_info.update(temperature=temperature)
+        lp, ent = actor.compute_log_prob(data, log_probs(4), calculate_entropy=True)
         assert_matches_rows(lp, ent, rows, data)
         # token-budget micro-batches come back in the input order; packing gives the same numbers
-        data.meta_info.update(use_dynamic_bsz=True, max_token_len=20)
-        lp_dyn, ent_dyn = actor.compute_log_prob(data, calculate_entropy=True)
+        dynamic = log_probs(4, use_dynamic_bsz=True, max_token_len=20)
+        lp_dyn, ent_dyn = actor.compute_log_prob(data, dynamic, calculate_entropy=True)
         torch.testing.assert_close(lp_dyn, lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent_dyn, ent, atol=1e-5, rtol=1e-5)
         packed = DataParallelPPOActor({}, model, use_remove_padding=True)
@@ -175,13 +177,13 @@ def test_compute_log_prob_matches_plain_forward(model):
         hook = model.register_forward_pre_hook(
             lambda mod, args, kw: seen.append((kw["input_ids"].shape[0], kw["attention_mask"])), with_kwargs=True)
         try:
-            lp_pk, ent_pk = packed.compute_log_prob(data, calculate_entropy=True)
+            lp_pk, ent_pk = packed.compute_log_prob(data, dynamic, calculate_entropy=True)
         finally:
             hook.remove()
         assert seen and all(rows == 1 and mask is None for rows, mask in seen)  # really packed
         torch.testing.assert_close(lp_pk, lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent_pk, ent, atol=1e-5, rtol=1e-5)
-    assert actor.compute_log_prob(data)[1] is None
+    assert actor.compute_log_prob(data, log_probs())[1] is None
 
 
 def test_remove_padding_fallbacks(model):
@@ -270,7 +272,7 @@ def test_aepo_entropy_advantage_is_computed_without_entropy_coeff(model):
 def test_entropy_balanced_clipping_flag(model):
     data = make_batch(model.config.vocab_size, seed=5)
     lp, _ = DataParallelPPOActor({}, model).compute_log_prob(
-        DataProto(batch=data.batch, meta_info={"temperature": 1.0, "micro_batch_size": 8}))
+        DataProto(batch=data.batch, meta_info={"temperature": 1.0}), log_probs(8))
     data.batch["old_log_probs"] = lp - 0.5  # r ≈ 1.65 > 1 + ε: clipped for A > 0
     data.batch["advantages"] = data.batch["advantages"].abs()
     actor = DataParallelPPOActor({"enable_entropy_balanced_clipping": True}, model, RecordingOptimizer(model))
@@ -291,7 +293,7 @@ def test_nonfinite_grad_skips_step(model, caplog):
     before = copy.deepcopy(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     cfg = {"ppo_mini_batch_size": 6, "ppo_micro_batch_size_per_gpu": 3, "grad_clip": 1.0}
-    actor = DataParallelPPOActor(cfg, model, opt)
+    actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, **actor_kwargs(**cfg))
     with caplog.at_level(logging.WARNING, logger="verl_arpo"):
         metrics = actor.update_policy(data)
     assert not math.isfinite(metrics["actor/grad_norm"][0])
@@ -304,8 +306,8 @@ def test_minibatches_epochs_and_clip(model):
     data = make_batch(model.config.vocab_size, B=8, seed=7)
     m = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    actor = DataParallelPPOActor({"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "ppo_epochs": 2,
-                                  "shuffle": True, "grad_clip": 1e-3}, m, opt)
+    actor = DataParallelPPOActor(actor_module=m, actor_optimizer=opt, **actor_kwargs(
+        ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2, shuffle=True, grad_clip=1e-3))
     metrics = actor.update_policy(data)
     assert len(metrics["actor/pg_loss"]) == 4 and len(metrics["actor/grad_norm"]) == 4
     # clipped to 1e-3: the parameters moved by at most lr * 1e-3 in norm per step
@@ -344,9 +346,10 @@ def _fsdp_rank(rank, world, port, model_dir, data_path, out_path):
             data = full.slice(rank * half, (rank + 1) * half)
             cfg = dict(cfg)
             kw = {k: cfg.pop(k) for k in ("use_remove_padding", "use_prefix_sharing") if k in cfg}
-            actor = DataParallelPPOActor({**cfg, "ppo_mini_batch_size": half}, model, opt, **kw)
-            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={
-                "temperature": 1.0, "use_dynamic_bsz": True, "max_token_len": 15}))
+            actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, **kw,
+                                         **actor_kwargs(**{**cfg, "ppo_mini_batch_size": half}))
+            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 1.0}),
+                                           log_probs(use_dynamic_bsz=True, max_token_len=15))
             metrics = actor.update_policy(data)
             params = {k: v.full_tensor() for k, v in model.state_dict().items()}
             results[name] = dict(params=params, metrics=metrics, lp=lp)
@@ -386,7 +389,7 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         single = {k: v for k, v in cfg.items() if k not in ("use_remove_padding", "use_prefix_sharing")}
         single.update(ppo_mini_batch_size=8, use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=8)
-        metrics = DataParallelPPOActor(single, model, opt).update_policy(data)
+        metrics = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, **actor_kwargs(**single)).update_policy(data)
         assert dp[name]["metrics"]["actor/grad_norm"][0] == pytest.approx(metrics["actor/grad_norm"][0], rel=1e-4)
         max_delta = max((v - before[k]).abs().max().item() for k, v in model.state_dict().items())
         assert max_delta > 1e-3
@@ -395,14 +398,14 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
                                        atol=1e-4 * max_delta, rtol=1e-3, msg=f"{name}: {k}")
     # the FSDP forward (rank 0's half, dynamic micro-batches) equals a plain forward
     ref_lp, _ = DataParallelPPOActor({}, load_model(tiny_model_dir)).compute_log_prob(
-        DataProto(batch=data.batch[:4], meta_info={"temperature": 1.0, "micro_batch_size": 4}))
+        DataProto(batch=data.batch[:4], meta_info={"temperature": 1.0}), log_probs(4))
     torch.testing.assert_close(dp["seq-mean-fixed"]["lp"], ref_lp, atol=1e-5, rtol=1e-5)
 
 
 def test_kl_loss_with_zero_weight_is_off(model):
     """[issue 15] The seeds' scripts set use_kl_loss=True with kl_loss_coef=0: the update must not read
     ref_log_prob (the trainer skipped the reference forward), give exactly the use_kl_loss=False
-    gradient, and log no KL metrics. The same rule is what normalize_config writes into the config."""
+    gradient, and log no KL metrics. The same rule decides JobConfig.derived.kl_loss_active."""
     from verl_arpo.trainer.ppo.core_algos import kl_term_active
 
     data = make_batch(model.config.vocab_size, seed=6)

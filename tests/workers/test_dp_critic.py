@@ -6,6 +6,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.critic import dp_critic
 from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic
+from worker_configs import critic_kwargs
 
 P, R = 5, 7
 
@@ -87,7 +88,8 @@ def critic_grad(model, data, **cfg):
                 grad_clip=None)
     if cfg.pop("use_remove_padding", False):
         cfg["model"] = {"use_remove_padding": True}
-    metrics = DataParallelPPOCritic({**base, **cfg}, model, opt).update_critic(data)
+    metrics = DataParallelPPOCritic(critic_module=model, critic_optimizer=opt,
+                                    **critic_kwargs(**{**base, **cfg})).update_critic(data)
     return opt.grads[0], metrics
 
 
@@ -101,16 +103,16 @@ def assert_grads_close(a, b, rtol=1e-4):
 def test_compute_values_matches_plain_forward(critic):
     data = make_batch(critic.config.vocab_size, seed=1)
     rows = per_row_values(critic, data)
-    data.meta_info.update(micro_batch_size=4, use_dynamic_bsz=False)
-    values = DataParallelPPOCritic({}, critic).compute_values(data)
+    values = DataParallelPPOCritic(critic_module=critic, **critic_kwargs(ppo_micro_batch_size_per_gpu=4)).compute_values(data)
     m = data.batch["response_mask"]
     for b in range(values.shape[0]):
         for t in range(R):
             expected = rows[(b, t)].item() if m[b, t] else 0.0
             assert values[b, t].item() == pytest.approx(expected, abs=1e-5)
-    data.meta_info.update(use_dynamic_bsz=True, max_token_len=16)
-    torch.testing.assert_close(DataParallelPPOCritic({}, critic).compute_values(data), values, atol=1e-5, rtol=1e-5)
-    packed = DataParallelPPOCritic({"model": {"use_remove_padding": True}}, critic)
+    dynamic = dict(use_dynamic_bsz=True, forward_max_token_len_per_gpu=16)
+    torch.testing.assert_close(DataParallelPPOCritic(critic_module=critic, **critic_kwargs(**dynamic)).compute_values(data),
+                               values, atol=1e-5, rtol=1e-5)
+    packed = DataParallelPPOCritic(critic_module=critic, **critic_kwargs(model={"use_remove_padding": True}, **dynamic))
     assert packed.use_remove_padding
     torch.testing.assert_close(packed.compute_values(data), values, atol=1e-5, rtol=1e-5)
 

@@ -35,9 +35,10 @@ def _trainer_and_worker(model_dir, data_dir, out_dir, free_cache_engine: bool):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from verl_arpo.trainer.config import normalize_config, validate_config
+    from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
+    from verl_arpo.utils.job_config import JobConfig
     from verl_arpo.utils.reward_manager import load_reward_manager
     from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
 
@@ -52,11 +53,11 @@ def _trainer_and_worker(model_dir, data_dir, out_dir, free_cache_engine: bool):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose(config_name="cpu_tiny", overrides=overrides)
     validate_config(cfg)
-    cfg = normalize_config(cfg)
+    cfg = JobConfig.from_mapping(cfg)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = RayPPOTrainer(cfg, tok, RLHFDataset(cfg.data.train_files, tok, cfg.data), None,
                             load_reward_manager(cfg, tok, num_examine=0), None)
-    worker = ActorRolloutRefWorker(OmegaConf.to_container(cfg.actor_rollout_ref, resolve=True))
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, cfg.derived)
     worker.init_model(trainer.total_training_steps, False, 0)
     trainer.actor_rollout_wg = _LocalGroup(worker)
     trainer.n_workers = 1

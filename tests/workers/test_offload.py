@@ -14,6 +14,7 @@ import os
 
 import torch
 from test_dp_actor import _free_port, load_model, make_batch
+from worker_configs import actor_kwargs
 
 from verl_arpo.protocol import DataProto
 
@@ -40,8 +41,9 @@ def _rank(rank, world, port, model_dir, data_path, out_path):
         for param_offload, optimizer_offload in COMBOS:
             model = shard_fsdp2(load_causal_lm(model_dir), mesh, cpu_offload=param_offload)
             opt = build_adamw(model.parameters(), OptimConfig(lr=1e-2))
-            actor = DataParallelPPOActor(dict(ppo_mini_batch_size=half, ppo_micro_batch_size_per_gpu=2, grad_clip=0.5),
-                                         model, opt, device=torch.device("cpu"))
+            actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, device=torch.device("cpu"),
+                                         **actor_kwargs(ppo_mini_batch_size=half, ppo_micro_batch_size_per_gpu=2,
+                                                        grad_clip=0.5))
             for _ in range(2):
                 if optimizer_offload:
                     move_optimizer_state(opt, None)

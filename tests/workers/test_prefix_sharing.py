@@ -18,6 +18,7 @@ from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree, tre
 from verl_arpo.utils.seqlen_balancing import balance_batch_indices, rearrange_micro_batches
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
+from worker_configs import log_probs
 
 
 def padded(prompts, responses, p=P, r=R):
@@ -119,8 +120,7 @@ def test_shared_forward_equals_per_row_forwards(tiny_model_dir, attn_impl):
     hook = model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[1]),
                                            with_kwargs=True)
     try:
-        data.meta_info.update(use_dynamic_bsz=True, max_token_len=1000)
-        lp, ent = actor.compute_log_prob(data, calculate_entropy=True)
+        lp, ent = actor.compute_log_prob(data, log_probs(use_dynamic_bsz=True, max_token_len=1000), calculate_entropy=True)
     finally:
         hook.remove()
     # one forward over the tree: fewer tokens than the rows hold

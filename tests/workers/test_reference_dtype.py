@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from verl_arpo.protocol import DataProto
+from worker_configs import log_probs
 from verl_arpo.workers.training_core import load_causal_lm, model_dtype
 
 
@@ -25,7 +26,7 @@ def _batch(vocab: int, B: int = 4, P: int = 6, R: int = 8) -> DataProto:
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_dict(tensors=dict(input_ids=input_ids, attention_mask=attn, position_ids=pos,
                                             responses=input_ids[:, P:], response_mask=torch.ones(B, R)),
-                               meta_info={"temperature": 1.0, "micro_batch_size": 2})
+                               meta_info={"temperature": 1.0})
 
 
 def test_a_bf16_reference_matches_the_fp32_one_within_bf16_tolerance(tiny_model_dir):
@@ -36,7 +37,7 @@ def test_a_bf16_reference_matches_the_fp32_one_within_bf16_tolerance(tiny_model_
         module = load_causal_lm(tiny_model_dir, dtype=dtype, attn="sdpa").eval()
         assert next(module.parameters()).dtype == dtype
         data = _batch(module.config.vocab_size)
-        logps[dtype], _ = DataParallelPPOActor(None, module).compute_log_prob(data, calculate_entropy=False)
+        logps[dtype], _ = DataParallelPPOActor(None, module).compute_log_prob(data, log_probs(2), calculate_entropy=False)
     diff = (logps[torch.bfloat16].float() - logps[torch.float32]).abs()
     assert logps[torch.float32].dtype == torch.float32
     assert 0 < diff.mean() < 0.02 and diff.max() < 0.1  # bf16 keeps 8 bits of mantissa: ~0.4% of each logit

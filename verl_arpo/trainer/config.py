@@ -1,16 +1,14 @@
-"""Checking, normalizing and masking the trainer config (configs/ppo_trainer.yaml) before Ray starts.
+"""Checking the trainer config (configs/ppo_trainer.yaml) before Ray starts.
 
     validate_config(cfg)   every bad value at once, as a ConfigError naming the key and the fix
-    normalize_config(cfg)  a new config with the run-time fields filled (verl's batch-size semantics)
     mask_secrets(cfg)      a plain dict safe to print or log (API keys, tokens, passwords → ***)
     resolve_device(cfg)    trainer.device=auto → cuda when the Ray cluster (or this machine) has a GPU
 
 Batch sizes follow verl: the user gives `data.train_batch_size` and `actor.ppo_mini_batch_size` in
 *prompts*; each prompt becomes `rollout.n` trajectories (ARPO's branches fill the group up to n), and
-the trajectories are split over `trainer.n_gpus_per_node × trainer.nnodes` workers. normalize_config
-rewrites `ppo_mini_batch_size` to trajectories *per worker* (mini × n ÷ world), as verl's workers do
-in place; we do it once, on a copy, and mark the copy (`trainer.config_normalized`) so that a second
-call is a no-op instead of dividing twice.
+the trajectories are split over `trainer.n_gpus_per_node × trainer.nnodes` workers. The keys keep
+that meaning everywhere; what a worker runs (trajectories per worker) is derived once, in
+`JobConfig.derived` (utils/job_config.py, `Batching`).
 
 Not checked here: anything that needs the model or the data loaded (prompt lengths, vocabulary),
 tool YAML contents (the tool registry reports those when it builds the tools).
@@ -34,7 +32,7 @@ from verl_arpo.utils.resources import bundled_root, resolve_bundled
 from verl_arpo.utils.secrets import SECRET_ENV_VARS, MASK, is_secret_key, mask_secrets, mask_text  # noqa: F401
 from verl_arpo.utils.tracking import LOGGER_BACKENDS, parse_logger
 
-__all__ = ["ConfigError", "validate_config", "normalize_config", "mask_secrets", "mask_text",
+__all__ = ["ConfigError", "validate_config", "mask_secrets", "mask_text",
            "resolve_device", "parse_logger", "resolve_project_path", "PROJECT_ROOT", "LOGGER_BACKENDS"]
 
 PROJECT_ROOT = bundled_root()
@@ -228,8 +226,6 @@ def _check_batches(c: DictConfig, add: Callable[[str, str], None]) -> None:
     n = _as_int(_select(c, f"{AR}.rollout.n", 1))
     if None in (nodes, gpus, bsz, n) or min(nodes, gpus, bsz, n) < 1:
         return  # reported above; the arithmetic below needs all four
-    if _select(c, "trainer.config_normalized", False) is True:
-        return  # sizes are per worker already (checked before normalizing)
     world = nodes * gpus
     if bsz * n % world:
         add("data.train_batch_size", f"train_batch_size × rollout.n = {bsz} × {n} = {bsz * n} trajectories "
@@ -496,7 +492,7 @@ def validate_config(cfg: DictConfig | Mapping) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# normalization
+# the device
 # ------------------------------------------------------------------------------------------------
 def cluster_gpus() -> int:
     """GPUs the workers can get: the Ray cluster's GPU resources once Ray is up (a CPU-only head node
@@ -526,59 +522,3 @@ def resolve_device(cfg: DictConfig | Mapping | str, gpus: int | None = None) -> 
     if device == "auto":
         return "cuda" if has_cuda else "cpu"
     return device
-
-
-def _per_worker(node: DictConfig, leaf: str, world: int) -> None:
-    """verl's deprecated global micro batch `leaf` → `<leaf>_per_gpu` (÷ world) when it is set."""
-    if node.get(leaf) is not None:
-        node[f"{leaf}_per_gpu"] = int(node[leaf]) // world
-
-
-def normalize_config(cfg: DictConfig | Mapping) -> DictConfig:
-    """A resolved copy with the run-time fields filled; `cfg` is not modified. Idempotent.
-
-    - actor (and critic) `ppo_mini_batch_size`: prompts → trajectories per worker (× n ÷ world)
-    - deprecated global micro batch sizes → the `*_per_gpu` keys (÷ world)
-    - `actor.use_kl_loss` → false when `kl_loss_coef` is 0, `algorithm.use_kl_in_reward` → false when
-      `kl_ctrl.kl_coef` is 0: "a KL term is active" is decided here, once, and the trainer (reference
-      forward or not), the workers (reference model or not) and the actor (KL loss or not) read
-      these two flags (the seeds set use_kl_loss=true with a 0 weight)
-    - `actor.max_grad_norm` (alias) → `actor.grad_clip`
-    - `trainer.logger` → a list; `trainer.device` → cuda | cpu
-    - `rollout.multi_turn.enable` empty (the seeds pass an unset shell variable) → true
-    - `custom_reward_function.path` → absolute (cwd first, then the repository root)
-    """
-    src = _as_omegaconf(cfg)
-    out = OmegaConf.create(OmegaConf.to_container(src, resolve=True))
-    if out.get("trainer", {}).get("config_normalized", False):
-        OmegaConf.set_struct(out, True)
-        return out
-    world = int(out.trainer.n_gpus_per_node) * int(out.trainer.nnodes)
-    n = int(out.actor_rollout_ref.rollout.n)
-    arr = out.actor_rollout_ref
-    arr.actor.ppo_mini_batch_size = int(arr.actor.ppo_mini_batch_size) * n // world
-    _per_worker(arr.actor, "ppo_micro_batch_size", world)
-    for section in (arr.rollout, arr.ref):
-        _per_worker(section, "log_prob_micro_batch_size", world)
-    if out.get("critic") is not None and out.critic.get("ppo_mini_batch_size") is not None:
-        out.critic.ppo_mini_batch_size = int(out.critic.ppo_mini_batch_size) * n // world
-        _per_worker(out.critic, "ppo_micro_batch_size", world)
-    from verl_arpo.trainer.ppo.core_algos import kl_term_active
-
-    arr.actor.use_kl_loss = kl_term_active(arr.actor.get("use_kl_loss"), arr.actor.get("kl_loss_coef"))
-    algo = out.get("algorithm")
-    if algo is not None:
-        algo.use_kl_in_reward = kl_term_active(algo.get("use_kl_in_reward"), (algo.get("kl_ctrl") or {}).get("kl_coef"))
-    if arr.actor.get("max_grad_norm") is not None:
-        arr.actor.grad_clip = float(arr.actor.max_grad_norm)
-    out.trainer.logger = parse_logger(out.trainer.get("logger", ["console"]))
-    out.trainer.device = resolve_device(out.trainer.get("device", "auto"))
-    multi = arr.rollout.get("multi_turn", {}).get("enable", True)
-    if "multi_turn" in arr.rollout:
-        arr.rollout.multi_turn.enable = True if multi in ("", None) else bool(multi)
-    crf = out.get("custom_reward_function")
-    if crf is not None and crf.get("path"):
-        crf.path = str(resolve_project_path(crf.path))
-    out.trainer.config_normalized = True
-    OmegaConf.set_struct(out, True)
-    return out

@@ -1,8 +1,8 @@
 """The typed trainer configuration: one frozen dataclass per section of configs/ppo_trainer.yaml.
 
 The YAML stays the user-facing reference (Hydra composes it with the presets and the command line;
-`--cfg job` prints it; docs/configuration.md is generated from its comments). After validation and
-normalisation (verl_arpo.trainer.config) the composed tree is turned into a `JobConfig` once, by
+`--cfg job` prints it; docs/configuration.md is generated from its comments). After validation
+(verl_arpo.trainer.config) the composed tree is turned into a `JobConfig` once, by
 `JobConfig.from_mapping`, and that object is what the trainer reads and ships to the workers: no
 `.get(key, default)` in the code that uses it, so a default lives in exactly two places that a
 test keeps equal — the YAML and the dataclass field below.
@@ -15,9 +15,8 @@ test keeps equal — the YAML and the dataclass field below.
 
 Values that are *derived* from several keys are computed once, here, and named (`JobConfig.derived`):
 world size, whether a KL term is active, whether the reference model and the critic are needed,
-whether the update is strictly on-policy. Per-worker batch sizes are rewritten by the normalisation
-step before the tree reaches `from_mapping` (verl's semantics: actor.ppo_mini_batch_size is then
-trajectories per worker).
+whether the update is strictly on-policy, and each worker's batch sizes (`Batching`: verl's
+`ppo_mini_batch_size` counts prompts, a worker runs trajectories). User keys are never rewritten.
 
 A key the code does not read yet is listed in `NOT_IMPLEMENTED` with what to use instead; a
 non-default value there is a configuration error (`not_implemented_problems`), never silently
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 from collections.abc import Mapping
 
-__all__ = ["ConfigError", "JobConfig", "Derived", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
+__all__ = ["ConfigError", "JobConfig", "Derived", "Batching", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
            "RolloutSection", "CriticConfig", "ToolsConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig", "FSDPConfig",
            "from_mapping", "NOT_IMPLEMENTED", "not_implemented_problems", "kl_term_active"]
 
@@ -180,6 +179,11 @@ class ActorConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+    @property
+    def clip_norm(self) -> float | None:
+        """The gradient-norm clip: `max_grad_norm` (verl's alias) when set, else `grad_clip`."""
+        return self.max_grad_norm if self.max_grad_norm is not None else self.grad_clip
 
 
 @dataclass(frozen=True)
@@ -410,12 +414,52 @@ class TrainerConfig:
     preemption_grace_s: float | None = 30.0
     val_only: bool = False
     force_resume: bool = False
-    config_normalized: bool = False
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How one worker splits its share of a batch into forward (and backward) passes, in trajectories
+    per worker: verl's user keys count prompts (`ppo_mini_batch_size`) or all workers (the deprecated
+    global micro sizes); these are what a worker runs. Built by `JobConfig.derived`, nowhere else."""
+
+    micro_batch: int
+    """trajectories per forward without dynamic batch sizes."""
+    use_dynamic_bsz: bool
+    """micro-batches by token budget instead of by count."""
+    max_token_len: int
+    """the token budget of a micro-batch with use_dynamic_bsz."""
+    mini_batch: int | None = None
+    """trajectories per optimizer step on this worker (updates only)."""
+
+    @classmethod
+    def for_update(cls, section: "ActorConfig | CriticConfig", n: int, world: int) -> "Batching":
+        """An actor's or critic's update: ppo_mini_batch_size prompts × n ÷ world trajectories per step."""
+        return cls(_micro_per_worker(section.ppo_micro_batch_size, section.ppo_micro_batch_size_per_gpu, world),
+                   bool(section.use_dynamic_bsz), int(section.ppo_max_token_len_per_gpu),
+                   mini_batch=int(section.ppo_mini_batch_size) * int(n) // int(world))
+
+    @classmethod
+    def for_log_prob(cls, section: "RolloutSection | RefConfig", world: int) -> "Batching":
+        """A log-prob pass from its log_prob_* keys (rollout: the actor's old log-probs; ref)."""
+        return cls(_micro_per_worker(section.log_prob_micro_batch_size, section.log_prob_micro_batch_size_per_gpu,
+                                     world), bool(section.log_prob_use_dynamic_bsz), int(section.log_prob_max_token_len_per_gpu))
+
+    @classmethod
+    def for_values(cls, critic: "CriticConfig", world: int) -> "Batching":
+        """The critic's value pass: its micro size, forward_max_token_len_per_gpu."""
+        return cls(_micro_per_worker(critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu, world),
+                   bool(critic.use_dynamic_bsz), int(critic.forward_max_token_len_per_gpu))
+
+
+def _micro_per_worker(global_size: int | None, per_gpu: int, world: int) -> int:
+    """verl's deprecated global micro batch (over all workers) wins when it is set."""
+    return int(global_size) // world if global_size is not None else int(per_gpu)
 
 
 @dataclass(frozen=True)
 class Derived:
-    """Facts that depend on several keys, computed once by `JobConfig.from_mapping`."""
+    """Facts that depend on several keys, computed once by `JobConfig.derived`: user keys keep the
+    meaning they have in the YAML, and whatever a worker needs in other units is a field here."""
 
     world_size: int
     """trainer.nnodes × trainer.n_gpus_per_node: data-parallel workers."""
@@ -430,6 +474,16 @@ class Derived:
     on_policy: bool
     """one epoch over one mini-batch and nothing else reading π_old: the update's own forward gives
     π_old (detached) and the separate old-log-prob pass is skipped."""
+    actor_update: Batching
+    """the actor's update: ppo_mini_batch_size prompts × rollout.n ÷ world per optimizer step."""
+    actor_log_prob: Batching
+    """the actor's old-log-prob pass (rollout.log_prob_*)."""
+    ref_log_prob: Batching
+    """the reference's log-prob pass (ref.log_prob_*)."""
+    critic_update: Batching
+    """the critic's update: critic.ppo_mini_batch_size prompts × rollout.n ÷ world per step."""
+    critic_values: Batching
+    """the critic's value pass (its micro size, forward_max_token_len_per_gpu)."""
 
 
 @dataclass(frozen=True)
@@ -449,12 +503,17 @@ class JobConfig:
         world = int(t.nnodes) * int(t.n_gpus_per_node)
         kl_loss = kl_term_active(a.use_kl_loss, a.kl_loss_coef)
         kl_reward = kl_term_active(algo.use_kl_in_reward, algo.kl_ctrl.kl_coef)
-        trajectories = int(self.data.train_batch_size) * int(self.actor_rollout_ref.rollout.n)
-        # a normalized config holds the mini-batch per worker; a raw one in prompts
-        mini = a.ppo_mini_batch_size * world if t.config_normalized else a.ppo_mini_batch_size * self.actor_rollout_ref.rollout.n
-        on_policy = (a.skip_old_log_prob_on_policy and a.ppo_epochs == 1 and mini >= trajectories and not kl_reward)
-        return Derived(world_size=world, kl_loss_active=kl_loss, kl_in_reward_active=kl_reward,
-                       need_ref=kl_loss or kl_reward, need_critic=algo.adv_estimator == "gae", on_policy=on_policy)
+        r, ref, c = self.actor_rollout_ref.rollout, self.actor_rollout_ref.ref, self.critic
+        n = int(r.n)
+        trajectories = int(self.data.train_batch_size) * n
+        on_policy = (a.skip_old_log_prob_on_policy and a.ppo_epochs == 1 and a.ppo_mini_batch_size * n >= trajectories
+                     and not kl_reward)
+        return Derived(
+            world_size=world, kl_loss_active=kl_loss, kl_in_reward_active=kl_reward,
+            need_ref=kl_loss or kl_reward, need_critic=algo.adv_estimator == "gae", on_policy=on_policy,
+            actor_update=Batching.for_update(a, n, world), actor_log_prob=Batching.for_log_prob(r, world),
+            ref_log_prob=Batching.for_log_prob(ref, world), critic_update=Batching.for_update(c, n, world),
+            critic_values=Batching.for_values(c, world))
 
     @classmethod
     def from_mapping(cls, data: Any) -> "JobConfig":

@@ -104,17 +104,17 @@ class JobShape:
 
 def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
     """The numbers that decide memory, from a composed job config (`--cfg job` output, as a dict)."""
-    from verl_arpo.utils.job_config import JobConfig, kl_term_active
+    from verl_arpo.utils.job_config import JobConfig
 
     c = JobConfig.from_mapping(job)
-    a, r = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
+    a, r, d = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout, c.derived
     seq = int(c.data.max_prompt_length) + int(c.data.max_response_length)
-    train = int(a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else int(a.ppo_micro_batch_size_per_gpu or 1) * seq
-    logprob = int(r.log_prob_max_token_len_per_gpu) if r.log_prob_use_dynamic_bsz else \
-        int(r.log_prob_micro_batch_size_per_gpu or 1) * seq
-    need_ref = kl_term_active(a.use_kl_loss, a.kl_loss_coef) or kl_term_active(
-        c.algorithm.use_kl_in_reward, c.algorithm.kl_ctrl.kl_coef)
-    return JobShape(world=int(c.trainer.nnodes) * int(c.trainer.n_gpus_per_node), train_tokens=train,
+
+    def tokens(b) -> int:  # one micro-batch's tokens (a Batching of JobConfig.derived)
+        return int(b.max_token_len) if b.use_dynamic_bsz else int(b.micro_batch or 1) * seq
+
+    train, logprob, need_ref = tokens(d.actor_update), tokens(d.actor_log_prob), d.need_ref
+    return JobShape(world=d.world_size, train_tokens=train,
                     logprob_tokens=logprob, response_fraction=float(c.data.max_response_length) / seq,
                     param_offload=bool(a.fsdp_config.param_offload), optimizer_offload=bool(a.fsdp_config.optimizer_offload),
                     gradient_checkpointing=bool(c.actor_rollout_ref.model.enable_gradient_checkpointing),

@@ -24,7 +24,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
-from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, from_mapping
+from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, Derived, from_mapping
 from verl_arpo.workers.training_core import (
     HOST_MEMORY,
     attn_implementation,
@@ -73,8 +73,9 @@ class _FSDPModelMixin:
 class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     """Roles: "actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref"."""
 
-    def __init__(self, config: ActorRolloutRefConfig | dict, role: str = "actor_rollout_ref"):
+    def __init__(self, config: ActorRolloutRefConfig | dict, derived: Derived, role: str = "actor_rollout_ref"):
         super().__init__()
+        self.derived = derived   # this run's batch sizes per worker and KL switches (JobConfig.derived)
         if role != "actor_rollout_ref":
             raise ValueError(f"worker role {role!r} is not implemented: actor, rollout and reference always share "
                              "one worker per slot (role='actor_rollout_ref', actor_rollout_ref.hybrid_engine=true)")
@@ -86,7 +87,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int = 1, need_ref: bool = False, seed: int = 0):
         """Load, shard and wire the roles. `need_ref` (the trainer's `use_reference_policy`: an
-        active KL loss or in-reward KL, as normalize_config decided) builds the reference model."""
+        active KL loss or in-reward KL, JobConfig.derived.need_ref) builds the reference model."""
         from transformers import AutoConfig, AutoTokenizer
 
         from verl_arpo.utils.checkpoint import FSDPCheckpointManager
@@ -128,6 +129,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.actor_optimizer = build_adamw(self.actor_module.parameters(), opt)
         self.lr_scheduler = build_lr_scheduler(self.actor_optimizer, opt, total_training_steps)
         self.actor = DataParallelPPOActor(acfg, self.actor_module, self.actor_optimizer,
+                                          update=self.derived.actor_update, use_kl_loss=self.derived.kl_loss_active,
                                           use_remove_padding=mcfg.use_remove_padding,
                                           use_prefix_sharing=mcfg.use_prefix_sharing, shuffle_seed=seed,
                                           device=self.device)
@@ -137,7 +139,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.need_ref = bool(need_ref)
         if self.need_ref and not self.lora:
             self.ref_module = load(train=False)
-            # log-prob micro-batch sizes come from meta_info (_log_prob_meta); no actor keys apply
+            # no actor keys apply: it only computes log-probs (micro-batches: derived.ref_log_prob)
             self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding,
                                                    use_prefix_sharing=mcfg.use_prefix_sharing,
                                                    device=self.device)
@@ -239,18 +241,11 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         release_host_memory()
         return out
 
-    def _log_prob_meta(self, data: DataProto, cfg) -> DataProto:
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        data.meta_info["micro_batch_size"] = int(cfg.log_prob_micro_batch_size_per_gpu)
-        data.meta_info["use_dynamic_bsz"] = bool(cfg.log_prob_use_dynamic_bsz)
-        data.meta_info["max_token_len"] = int(cfg.log_prob_max_token_len_per_gpu)
-        return data
-
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        data = self._log_prob_meta(data, self.config.rollout)
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
         with HOST_MEMORY.phase("log_prob"):
-            log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
+            log_probs, entropy = self.actor.compute_log_prob(data, self.derived.actor_log_prob, calculate_entropy=True)
         maybe_reshard(self.actor_module)
         release_host_memory()
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
@@ -258,13 +253,14 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        data = self._log_prob_meta(data, self.config.ref)
+        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        batching = self.derived.ref_log_prob
         if self.lora:  # the reference is the base model: adapters off
             with self.actor_module.disable_adapter():
-                log_probs, _ = self.actor.compute_log_prob(data, calculate_entropy=False)
+                log_probs, _ = self.actor.compute_log_prob(data, batching, calculate_entropy=False)
             module = self.actor_module
         else:
-            log_probs, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False)
+            log_probs, _ = self.ref_policy.compute_log_prob(data, batching, calculate_entropy=False)
             module = self.ref_module
         maybe_reshard(module)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
@@ -309,9 +305,10 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 class CriticWorker(Worker, _FSDPModelMixin):
     """The value model for GAE: an HF token-classification head with one label, FSDP2-sharded."""
 
-    def __init__(self, config: CriticConfig | dict, seed: int = 0):
+    def __init__(self, config: CriticConfig | dict, derived: Derived, seed: int = 0):
         super().__init__()
         self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
+        self.derived = derived
         self.seed = seed
         self.device_name = get_device_name()
 
@@ -355,15 +352,13 @@ class CriticWorker(Worker, _FSDPModelMixin):
         self.critic_optimizer = build_adamw(self.critic_module.parameters(), opt)
         self.lr_scheduler = build_lr_scheduler(self.critic_optimizer, opt, total_training_steps)
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
+                                            update=self.derived.critic_update, values=self.derived.critic_values,
                                             shuffle_seed=self.seed, device=self.device)
         self.checkpoint_manager = FSDPCheckpointManager(self.critic_module, self.critic_optimizer, self.lr_scheduler,
                                                         processing_class=tok, hf_config=hf_config)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        data.meta_info["micro_batch_size"] = int(self.config.ppo_micro_batch_size_per_gpu)
-        data.meta_info["use_dynamic_bsz"] = bool(self.config.use_dynamic_bsz)
-        data.meta_info["max_token_len"] = int(self.config.forward_max_token_len_per_gpu)
         values = self.critic.compute_values(data)
         maybe_reshard(self.critic_module)
         return DataProto.from_dict(tensors={"values": values})

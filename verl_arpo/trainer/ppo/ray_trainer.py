@@ -23,6 +23,7 @@ import torch
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.trainer.ppo import core_algos
 from verl_arpo.utils.dataset.batch_order import epoch_order
+from verl_arpo.trainer.config import resolve_device
 from verl_arpo.utils.job_config import JobConfig
 from verl_arpo.trainer.ppo.metrics import (
     compute_data_metrics,
@@ -117,10 +118,9 @@ class RayPPOTrainer:
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         if not isinstance(config, JobConfig):  # a composed Hydra tree (benchmarks, notebooks)
-            from verl_arpo.trainer.config import normalize_config
-
-            config = JobConfig.from_mapping(normalize_config(config))
+            config = JobConfig.from_mapping(config)
         self.config: JobConfig = config
+        self.device = resolve_device(config.trainer.device)   # auto: the Ray cluster's GPUs decide
         derived = config.derived
         self.use_critic = derived.need_critic
         self.use_kl_in_reward = derived.kl_in_reward_active
@@ -153,7 +153,7 @@ class RayPPOTrainer:
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
-        use_gpu = cfg.trainer.device == "cuda"  # resolved by normalize_config from the cluster's resources
+        use_gpu = self.device == "cuda"
         nodes = [int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes)
         # GPU workers keep 1 CPU each (their compute is on the device); CPU workers split the cores
         cpus = 1 if use_gpu else cpu_threads_per_worker(_node_cpus(int(cfg.trainer.nnodes)), nodes[0])
@@ -162,7 +162,8 @@ class RayPPOTrainer:
         timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
         env = cuda_worker_env((cfg.ray_init.runtime_env or {}).get("env_vars")) if use_gpu else {}
         self.actor_rollout_wg = RayWorkerGroup(
-            self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref"),
+            self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
+                                                     derived=cfg.derived, role="actor_rollout_ref"),
             name_prefix="actor_rollout_ref", call_timeout=timeout, env_vars=env)
         # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
         # tools read their keys when they are built
@@ -176,7 +177,8 @@ class RayPPOTrainer:
             for i in infos) + f"; MASTER_ADDR={infos[0]['master_addr']}:{infos[0]['master_port']}", flush=True)
         if self.use_critic:
             self.critic_wg = RayWorkerGroup(self.resource_pool,
-                                            RayClassWithInitArgs(CriticWorker, config=cfg.critic, seed=int(cfg.trainer.seed)),
+                                            RayClassWithInitArgs(CriticWorker, config=cfg.critic, derived=cfg.derived,
+                                                                 seed=int(cfg.trainer.seed)),
                                             name_prefix="critic", call_timeout=timeout, env_vars=env)
             if secrets:
                 self.critic_wg.execute_all("set_environment", secrets)
@@ -451,13 +453,13 @@ class RayPPOTrainer:
         from verl_arpo.trainer.config import mask_secrets
         from verl_arpo.trainer.ppo.preemption import Preempted, PreemptionGuard
         from verl_arpo.utils.checkpoint_integrity import RunDirLock
-        from verl_arpo.utils.tracking import Tracking
+        from verl_arpo.utils.tracking import Tracking, parse_logger
 
         cfg = self.config.trainer
         with RunDirLock(self._ckpt_root()), PreemptionGuard(cfg.preemption_grace_s) as preempt:
             start = self.load_checkpoint()  # first: a resumed run continues its wandb run
             tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
-                               default_backend=list(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
+                               default_backend=parse_logger(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
                                log_dir=os.path.join(self._ckpt_root(), "logs"), wandb_run_id=self.wandb_run_id)
             self.wandb_run_id = tracker.wandb_run_id
             tracker.set_total(self.total_training_steps)
@@ -508,13 +510,14 @@ class RayPPOTrainer:
                                f"checkpoint: {where}; restart with trainer.resume_mode=auto to continue") from e
 
 
-def slow_bf16_keys(config: JobConfig, fast_bf16: bool | None = None) -> list[str]:
+def slow_bf16_keys(config: JobConfig, fast_bf16: bool | None = None, device: str | None = None) -> list[str]:
     """Warnings for the keys that compute in bf16 on a CPU without native bf16, where a bf16 matmul
     is emulated and ~50x slower than fp32 (docs/performance.md, "Precision on the CPU"). The run
     still goes ahead: the numbers are right, only slow."""
     from verl_arpo.utils.device import cpu_has_fast_bf16
 
-    if config.trainer.device != "cpu" or (cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16):
+    device = device or resolve_device(config.trainer.device)
+    if device != "cpu" or (cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16):
         return []
     arr = config.actor_rollout_ref
     keys = {"actor_rollout_ref.rollout.dtype": arr.rollout.dtype,
@@ -532,11 +535,10 @@ def run_ppo(config, keep_workers: bool = False):
     the worker groups alive (the caller then calls `trainer.shutdown()`)."""
     from transformers import AutoTokenizer
 
-    from verl_arpo.trainer.config import normalize_config
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
     from verl_arpo.utils.reward_manager import load_reward_manager
 
-    config = JobConfig.from_mapping(normalize_config(config))
+    config = config if isinstance(config, JobConfig) else JobConfig.from_mapping(config)
     for line in slow_bf16_keys(config):
         logger.warning(line)
     model_path = config.actor_rollout_ref.model.path

@@ -35,10 +35,9 @@ from collections.abc import Mapping
 
 import torch
 
-from verl_arpo.trainer.ppo.core_algos import (agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn,
-                                              kl_penalty, kl_term_active)
+from verl_arpo.trainer.ppo.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
 from verl_arpo.trainer.ppo.rollout_mismatch import mismatch_metrics, rollout_is_weights
-from verl_arpo.utils.job_config import ActorConfig, from_mapping
+from verl_arpo.utils.job_config import ActorConfig, Batching, from_mapping
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,
@@ -59,22 +58,27 @@ class DataParallelPPOActor:
     """PPO actor over a (possibly FSDP2-wrapped) HF causal LM.
 
     config: the typed `actor_rollout_ref.actor` section (`ActorConfig`, or a mapping of its keys;
-    absent keys take the YAML defaults), with ppo_mini_batch_size and ppo_micro_batch_size_per_gpu
-    already normalized to trajectories per rank. use_remove_padding: packed sequences (the worker
-    passes `model.use_remove_padding`). use_prefix_sharing: the packed rows as a prefix tree, and
-    token budgets that keep a prompt's rows together (`model.use_prefix_sharing`). shuffle_seed:
-    seeds the mini-batch shuffle (actor.shuffle).
+    absent keys take the YAML defaults), its keys in the user's units. update: how this rank splits
+    its share of an update (`Batching`, from `JobConfig.derived.actor_update`: trajectories per rank
+    per optimizer step, micro-batches); needed by `update_policy` only. use_kl_loss: whether the KL
+    loss is active (`JobConfig.derived.kl_loss_active`: on and with a non-zero weight).
+    use_remove_padding: packed sequences (the worker passes `model.use_remove_padding`).
+    use_prefix_sharing: the packed rows as a prefix tree, and token budgets that keep a prompt's rows
+    together (`model.use_prefix_sharing`). shuffle_seed: seeds the mini-batch shuffle (actor.shuffle).
     dp_group: the data-parallel process group for loss counts and micro-batch counts (None = the
     default group). device: where the forward runs (the worker's device; default: the device of the
     module's parameters). Batches arrive and results leave on the host; each micro-batch moves to
-    `device` just before its forward (`to_device`, the worker's device boundary). The reference policy is this class too, with the default ActorConfig: it only
-    runs compute_log_prob, whose micro-batch sizes come from meta_info.
+    `device` just before its forward (`to_device`, the worker's device boundary). The reference
+    policy is this class too, with no config and no update: it only runs compute_log_prob, which
+    takes its micro-batching as an argument.
     """
 
     def __init__(self, config: ActorConfig | Mapping | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
-                 use_remove_padding: bool = False, use_prefix_sharing: bool = False, shuffle_seed: int = 0,
-                 dp_group=None, device: torch.device | None = None):
+                 update: Batching | None = None, use_kl_loss: bool = False, use_remove_padding: bool = False,
+                 use_prefix_sharing: bool = False, shuffle_seed: int = 0, dp_group=None,
+                 device: torch.device | None = None):
         self.config: ActorConfig = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
+        self.update = update
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
@@ -97,8 +101,7 @@ class DataParallelPPOActor:
                 raise ValueError("actor_rollout_ref.model.use_prefix_sharing needs packed sequences: set "
                                  "actor_rollout_ref.model.use_remove_padding=true or use_prefix_sharing=false")
         self._shuffle_gen = torch.Generator().manual_seed(int(shuffle_seed))
-        # the same rule normalize_config applies: a KL loss with weight 0 is off (no ref_log_prob read)
-        self.use_kl_loss = kl_term_active(self.config.use_kl_loss, self.config.kl_loss_coef)
+        self.use_kl_loss = bool(use_kl_loss)
 
     # -- forward ------------------------------------------------------------------------------
     def _forward_micro_batch(self, micro, temperature: float, calculate_entropy: bool = False,
@@ -124,20 +127,17 @@ class DataParallelPPOActor:
             entropy = unpack(entropy.to(log_probs.dtype), keep, packed)
         return entropy, log_probs
 
-    def compute_log_prob(self, data, calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(self, data, batching: Batching,
+                         calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(response token) [B, R] (and entropy [B, R] or None), in the input row order.
 
-        meta_info: temperature (required; logits are divided by it), micro_batch_size,
-        use_dynamic_bsz, max_token_len (token budget per micro-batch when use_dynamic_bsz); the last
-        three default to config log_prob_* keys, then to the ppo_* keys.
+        meta_info: temperature (required; logits are divided by it). batching: this pass's
+        micro-batches (`JobConfig.derived.actor_log_prob` or `.ref_log_prob`).
         """
-        meta, c = data.meta_info, self.config
+        meta = data.meta_info
         if "temperature" not in meta:
             raise KeyError("compute_log_prob needs meta_info['temperature'] (the rollout temperature)")
-        # meta_info wins; else the ref/rollout keys (log_prob_*), else the actor's ppo_* keys.
-        use_dynamic = meta.get("use_dynamic_bsz", c.use_dynamic_bsz)
-        micro_size = meta.get("micro_batch_size") or c.ppo_micro_batch_size_per_gpu
-        max_len = meta.get("max_token_len") or c.ppo_max_token_len_per_gpu
+        use_dynamic, micro_size, max_len = batching.use_dynamic_bsz, batching.micro_batch, batching.max_token_len
         self.actor_module.eval()
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
         micro_batches, groups = split_micro_batches(batch, bool(use_dynamic), micro_size, max_len,
@@ -222,7 +222,7 @@ class DataParallelPPOActor:
 
     def update_policy(self, data) -> dict[str, list | float]:
         """`ppo_epochs` passes of PPO over `data`; one optimizer step per mini-batch of
-        `ppo_mini_batch_size` rows. Returns verl-named metrics (lists: one entry per mini-batch;
+        `update.mini_batch` rows (actor.ppo_mini_batch_size prompts × rollout.n ÷ ranks). Returns verl-named metrics (lists: one entry per mini-batch;
         losses are the mini-batch objective terms — under DP each rank's share × dp_size, so the
         mean over ranks is the objective —, fractions/entropy are this rank's token means), and the
         update's counts: actor/optimizer_steps, actor/skipped_optimizer_steps (a non-finite gradient
@@ -234,13 +234,16 @@ class DataParallelPPOActor:
             raise KeyError("update_policy needs meta_info['temperature'] (the rollout temperature)")
         temperature = float(data.meta_info["temperature"])
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "advantages"]
-        mini_size = int(c.ppo_mini_batch_size)
+        if self.update is None:
+            raise ValueError("update_policy needs the update's batching (DataParallelPPOActor(update=...): "
+                             "JobConfig.derived.actor_update)")
+        mini_size = int(self.update.mini_batch)
         if "old_log_probs" in data.batch.keys():
             keys.append("old_log_probs")
         elif int(c.ppo_epochs) != 1 or mini_size < len(data):
             raise KeyError("update_policy needs 'old_log_probs' (compute_log_prob) unless the update is strictly "
-                           f"on-policy: ppo_epochs=1 and one mini-batch (ppo_mini_batch_size {mini_size} >= "
-                           f"{len(data)} rows)")
+                           f"on-policy: ppo_epochs=1 and one mini-batch (a mini-batch of {mini_size} "
+                           f"trajectories >= {len(data)} rows)")
         if self.use_kl_loss:
             if "ref_log_prob" not in data.batch.keys():
                 raise KeyError("use_kl_loss is on with kl_loss_coef != 0 but the batch has no 'ref_log_prob': "
@@ -257,7 +260,7 @@ class DataParallelPPOActor:
             batch["response_mask"] = data.batch["response_mask"]
         else:  # verl fallback: every real response token counts
             batch["response_mask"] = batch["attention_mask"][:, -batch["responses"].shape[-1]:]
-        use_dynamic = bool(c.use_dynamic_bsz)
+        use_dynamic = bool(self.update.use_dynamic_bsz)
         policy_loss_fn = self._policy_loss_fn()
         metrics: dict[str, list | float] = defaultdict(list)
         optimizer_steps = skipped = non_finite_losses = 0
@@ -271,7 +274,7 @@ class DataParallelPPOActor:
             for mini_idx, mini in enumerate(minis):
                 agg = global_loss_counts(mini["response_mask"], self.dp_group)
                 micro_batches, _ = split_micro_batches(
-                    mini, use_dynamic, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
+                    mini, use_dynamic, self.update.micro_batch, self.update.max_token_len,
                     dp_group=self.dp_group, share_prefix=self.share_prefix)
                 self.actor_optimizer.zero_grad(set_to_none=True)
                 means, sums = TokenWeightedMeans(), defaultdict(float)
@@ -289,7 +292,7 @@ class DataParallelPPOActor:
                         sums["kl_loss"] += stats.pop("kl_loss")
                     means.add(micro["response_mask"].sum().item(), **stats)
                 with HOST_MEMORY.phase("update/optimizer"):
-                    grad_norm = clip_grad_and_step(self.actor_module, self.actor_optimizer, c.grad_clip, "actor")
+                    grad_norm = clip_grad_and_step(self.actor_module, self.actor_optimizer, c.clip_norm, "actor")
                 for k, v in {**sums, **means.means()}.items():
                     metrics[k if "/" in k else f"actor/{k}"].append(v)  # mismatch/* keep their prefix
                 metrics["actor/grad_norm"].append(grad_norm)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
-from verl_arpo.utils.job_config import CriticConfig, from_mapping
+from verl_arpo.utils.job_config import Batching, CriticConfig, from_mapping
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.workers.training_core import (
     TokenWeightedMeans,
@@ -48,15 +48,18 @@ class DataParallelPPOCritic:
     """PPO critic over a (possibly FSDP2-wrapped) HF token-classification model (num_labels=1).
 
     config: the typed `critic` section (`CriticConfig`, or a mapping of its keys; absent keys take
-    the YAML defaults) with ppo_mini_batch_size and ppo_micro_batch_size_per_gpu per rank;
-    packing follows `model.use_remove_padding`. shuffle_seed seeds the mini-batch shuffle. device:
+    the YAML defaults), its keys in the user's units; packing follows `model.use_remove_padding`.
+    update, values: how this rank splits its share of an update and of the value pass (`Batching`,
+    from `JobConfig.derived.critic_update` / `.critic_values`). shuffle_seed seeds the mini-batch shuffle. device:
     where the forward runs (default: the module's); data comes and values go on the host, each
     micro-batch crossing to `device` just before its forward (`to_device`).
     """
 
     def __init__(self, config: CriticConfig | Mapping | None, critic_module: torch.nn.Module, critic_optimizer=None,
-                 *, shuffle_seed: int = 0, dp_group=None, device: torch.device | None = None):
+                 *, update: Batching | None = None, values: Batching, shuffle_seed: int = 0, dp_group=None,
+                 device: torch.device | None = None):
         self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
+        self.update, self.values = update, values
         self.critic_module = critic_module
         self.device = device if device is not None else module_device(critic_module)
         self.critic_optimizer = critic_optimizer
@@ -80,13 +83,9 @@ class DataParallelPPOCritic:
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R] × response_mask, in the input row order.
 
-        meta_info (else config): micro_batch_size (ppo_micro_batch_size_per_gpu), use_dynamic_bsz,
-        max_token_len (forward_max_token_len_per_gpu).
+        Micro-batches as `values` says (the critic's micro size, forward_max_token_len_per_gpu).
         """
-        c, meta = self.config, data.meta_info
-        use_dynamic = bool(meta.get("use_dynamic_bsz", c.use_dynamic_bsz))
-        micro_size = meta.get("micro_batch_size") or c.ppo_micro_batch_size_per_gpu
-        max_len = meta.get("max_token_len") or c.forward_max_token_len_per_gpu
+        use_dynamic, micro_size, max_len = self.values.use_dynamic_bsz, self.values.micro_batch, self.values.max_token_len
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
         micro_batches, groups = split_micro_batches(batch, use_dynamic, micro_size, max_len, dp_group=self.dp_group)
         self.critic_module.eval()
@@ -107,8 +106,9 @@ class DataParallelPPOCritic:
         whose mean over ranks is the objective), critic/vf_clipfrac and
         critic/vpred_mean (token means over the mini-batch), critic/grad_norm."""
         c = self.config
-        if self.critic_optimizer is None:
-            raise ValueError("update_critic needs an optimizer (critic_optimizer=None)")
+        if self.critic_optimizer is None or self.update is None:
+            raise ValueError("update_critic needs an optimizer and the update's batching (DataParallelPPOCritic("
+                             "critic_optimizer=..., update=JobConfig.derived.critic_update))")
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "values", "returns"]
         batch = data.select(batch_keys=keys).batch
         r = batch["responses"].shape[-1]
@@ -116,17 +116,17 @@ class DataParallelPPOCritic:
                                   else batch["attention_mask"][:, -r:])
         mode = c.loss_agg_mode
         cliprange_value = float(c.cliprange_value)
-        use_dynamic = bool(c.use_dynamic_bsz)
+        use_dynamic = bool(self.update.use_dynamic_bsz)
         metrics: dict[str, list] = defaultdict(list)
         self.critic_module.train()
         for _ in range(int(c.ppo_epochs)):
             epoch_batch = batch
             if c.shuffle:
                 epoch_batch = batch[torch.randperm(batch.batch_size[0], generator=self._shuffle_gen)]
-            for mini in epoch_batch.split(int(c.ppo_mini_batch_size)):
+            for mini in epoch_batch.split(int(self.update.mini_batch)):
                 agg = global_loss_counts(mini["response_mask"], self.dp_group)
-                micro_batches, _ = split_micro_batches(mini, use_dynamic, c.ppo_micro_batch_size_per_gpu,
-                                                       c.ppo_max_token_len_per_gpu, dp_group=self.dp_group)
+                micro_batches, _ = split_micro_batches(mini, use_dynamic, self.update.micro_batch,
+                                                       self.update.max_token_len, dp_group=self.dp_group)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 means, vf_total = TokenWeightedMeans(), 0.0
                 for micro in micro_batches:
