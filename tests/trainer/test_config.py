@@ -150,11 +150,19 @@ def test_seed_overrides_pass_validation(name, paths):
     assert cfg.actor_rollout_ref.rollout.multi_turn.enable in ("", True)  # the seeds' unset ${ENABLE_MULTI_TURN}
 
 
-def test_unknown_key_fails_with_hydras_message(tmp_path):
-    proc = run_main(["--cfg", "job", "actor_rollout_ref.rollout.no_such_key=1"], cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "Could not override 'actor_rollout_ref.rollout.no_such_key'" in proc.stderr
-    assert "Key 'no_such_key' is not in struct" in proc.stderr
+@pytest.mark.parametrize("args", [
+    ["--cfg", "job", "actor_rollout_ref.actor.ppo_mini_batchsize=1"],    # Hydra refuses it: was a traceback
+    ["--cfg", "job", "+actor_rollout_ref.actor.ppo_mini_batchsize=1"],   # Hydra adds it: was exit 0, unchecked
+    ["+actor_rollout_ref.actor.ppo_mini_batchsize=1", "actor_rollout_ref.model.path=/m"],   # a run
+])
+def test_an_unknown_key_is_one_line_naming_the_closest_key(tmp_path, args):
+    """[issue 33, item 2] Plain or added, with --cfg job or in a run: the same ConfigError line, exit 2,
+    no traceback, and the valid key it was probably meant to be."""
+    proc = run_main(args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert ("actor_rollout_ref.actor.ppo_mini_batchsize: unknown key; did you mean "
+            "actor_rollout_ref.actor.ppo_mini_batch_size?") in proc.stderr
 
 
 def test_tool_yaml_can_be_merged_as_a_group():
@@ -407,6 +415,23 @@ def test_secret_names_and_headers_beyond_api_key(monkeypatch):
     assert out.count("***") == 5 and "visible-value" in out and '"Authorization": "Bearer ***"' in out
 
 
+def test_hyphenated_headers_key_suffixes_and_url_passwords_are_masked():
+    """[issue 33, item 1] Names beyond *api_key* and free-text forms: `x-api-key` headers, `*_key`
+    names (not data columns), a URL's password, and credential keys written as YAML or JSON."""
+    from verl_arpo.utils.secrets import is_secret_key, mask_text
+
+    assert all(is_secret_key(k) for k in ("x-api-key", "X-Api-Key", "openai_key", "serper-key", "bing_key"))
+    assert not any(is_secret_key(k) for k in ("prompt_key", "reward_fn_key", "response_key", "key", "monkey"))
+    text = ('GET https://bob:hunter2pass@search.example/q?x=1 http://example.com:8080/a\n'
+            'X-Api-Key: k-header-55 {"x-api-key": "k-json-66", "model": "m"}\n'
+            'params:\n  openai_key: k-yaml-77\n  prompt_key: prompt\n  api_key: null\n')
+    out = mask_text(text)
+    for leaked in ("hunter2pass", "k-header-55", "k-json-66", "k-yaml-77"):
+        assert leaked not in out, (leaked, out)
+    assert "https://bob:***@search.example/q" in out and "http://example.com:8080/a" in out
+    assert "prompt_key: prompt" in out and "api_key: null" in out and '"model": "m"' in out
+
+
 def test_saved_config_is_masked(good, tmp_path):
     cfg = OmegaConf.merge(good, {"actor_rollout_ref": {"rollout": {"tools": {"tool_instances": {
         "search": {"params": {"api_key": "sk-SECRET"}}}}}}})
@@ -429,6 +454,40 @@ def test_cfg_job_prints_secrets_masked(tmp_path):
         assert printed.actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key == "***"
         assert printed.actor_rollout_ref.model.path == "/m"
         assert ("hydra" in printed) == (kind == "all")
+
+
+@pytest.mark.parametrize("form", [["--cfg", "hydra"], ["--cfg", "job", "--package", "actor_rollout_ref.rollout.tools"],
+                                  ["--cfg", "job", "--package=actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key"],
+                                  ["--help"], ["--info", "all"], ["--info", "config"]])
+def test_every_printing_form_masks_the_key(tmp_path, form):
+    """[issue 33, item 1] Hydra's own --package, --help and --info printed an override's key in clear."""
+    key = "sk-PRINTED-SECRET-78"
+    override = f"+actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key={key}"
+    proc = run_main([*form, "actor_rollout_ref.model.path=/m", override], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert key not in proc.stdout + proc.stderr and proc.stdout.strip()
+    if "--package" in " ".join(form):
+        assert proc.stdout.startswith("# @package actor_rollout_ref.rollout.tools") and "***" in proc.stdout
+
+
+def test_a_users_own_config_path_writes_no_clear_key(tmp_path):
+    """[issue 33, item 1] The .hydra/ copy (overrides.yaml, config.yaml) holds overrides in clear; our
+    YAML turns it off, and main_ppo turns it off for a user's --config-path without that line too."""
+    import shutil
+
+    mine = tmp_path / "myconf"
+    shutil.copytree(ROOT / "configs", mine)
+    text = (mine / "ppo_trainer.yaml").read_text()
+    (mine / "ppo_trainer.yaml").write_text("\n".join(l for l in text.splitlines() if "output_subdir" not in l))
+    key = "sk-WRITTEN-SECRET-79"
+    proc = run_main([f"--config-path={mine}", "--config-name=cpu_tiny", f"hydra.run.dir={tmp_path / 'run'}",
+                     "actor_rollout_ref.model.path=/no/such/model",   # invalid: exits 2 after Hydra set up the run
+                     f"+actor_rollout_ref.rollout.tools.tool_instances.search.params.api_key={key}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and "myconf" not in p.parts]
+    assert (tmp_path / "run" / "config.yaml") in written   # the masked copy
+    assert not list(tmp_path.rglob(".hydra"))
+    assert not [p for p in written if key in p.read_text(errors="replace")]
 
 
 def test_the_readme_shows_the_real_config_error_format():

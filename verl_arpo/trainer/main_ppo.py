@@ -146,49 +146,30 @@ def run(cfg: DictConfig) -> Any:
             ray.shutdown()
 
 
-_CFG_TYPES = ("job", "hydra", "all")
-
-
-def _split_cfg_flag(argv: list[str]) -> tuple[str | None, str, str, list[str]]:
-    """(--cfg type or None, config name, config dir, the overrides) of a Hydra command line."""
-    cfg_type, name, config_dir, overrides = None, "ppo_trainer", CONFIG_DIR, []
-    it = iter(argv)
-    for arg in it:
-        flag, eq, value = arg.partition("=")
-        if flag in ("--cfg", "-c"):
-            cfg_type = value if eq else next(it, None)
-        elif flag in ("--config-name", "-cn"):
-            name = value if eq else next(it, name)
-        elif flag in ("--config-path", "-cp"):
-            config_dir = os.path.abspath(value if eq else next(it, config_dir))
-        elif flag in ("--package", "-p"):
-            return None, name, config_dir, []  # Hydra's own printing handles packages
-        elif flag != "--resolve":
-            overrides.append(arg)
-    return (cfg_type if cfg_type in _CFG_TYPES else None), name, config_dir, overrides
-
-
-def print_config(argv: list[str]) -> bool:
-    """`--cfg job|hydra|all` with the secrets masked (Hydra's own printing shows them in clear).
-    Returns False when `argv` asks for something else (Hydra then handles it)."""
-    cfg_type, name, config_dir, overrides = _split_cfg_flag(argv)
-    if cfg_type is None:
-        return False
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=cfg_type != "job")
-    # Hydra's own section holds the override list: masked too (`...api_key=***`)
-    masked = mask_secrets(cfg.hydra if cfg_type == "hydra" else cfg)
-    print(OmegaConf.to_yaml(OmegaConf.create(masked)), flush=True)
-    return True
-
-
 def main() -> None:
-    """The command line (`python -m verl_arpo.trainer.main_ppo`, `verl-arpo-train`): Hydra, with
-    `--cfg` printing the masked config."""
-    if not print_config(sys.argv[1:]):
-        hydra_main()
+    """The command line (`python -m verl_arpo.trainer.main_ppo`, `verl-arpo-train`): Hydra, with every
+    printing form masked and unknown keys named before anything starts (trainer/config_cli.py)."""
+    from verl_arpo.trainer import config_cli
+
+    argv = sys.argv[1:]
+    cli = config_cli.parse_cli(argv, CONFIG_DIR)
+    try:
+        if cli.cfg_type is not None:
+            config_cli.print_config(cli)
+            return
+        if any(a.partition("=")[0] in config_cli.PAGE_FLAGS for a in argv):
+            config_cli.print_masked_page(hydra_main)
+            return
+        if not cli.other_flags:   # a plain run: unknown keys fail here, in one line, as with --cfg job
+            config_cli.compose_checked(cli._replace(overrides=[o for o in cli.overrides
+                                                               if not o.lstrip("+~").startswith("hydra")]))
+    except ConfigError as exc:
+        print(f"[verl_arpo] {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if not any(o.lstrip("+~").startswith("hydra.output_subdir") for o in cli.overrides):
+        # no .hydra/ copy of the config (it holds credentials in clear), whatever --config-path says
+        sys.argv.append("hydra.output_subdir=null")
+    hydra_main()
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)

@@ -3,15 +3,17 @@
     mask_secrets(cfg)   a plain dict copy of a config with credential values replaced by ***
     mask_text(text)     `text` with the values of SECRET_ENV_VARS replaced by ***
 
-A key holds a credential when it matches *api_key*, *secret*, *password*, *credential*, *auth*
-(`authorization`, `auth_header`), *cookie*, a named key (`subscription_key`, `access_key`,
-`private_key`, `session_key`), or ends in `token` (`hf_token`, `access_token`) — so
-`ppo_max_token_len_per_gpu`, `tokenizer`, `author` and `prompt_key` stay visible.
+A key holds a credential when it matches *api_key* / *api-key* (`x-api-key`), *secret*, *password*,
+*credential*, *auth* (`authorization`, `auth_header`), *cookie*, ends in `token` (`hf_token`,
+`access_token`), or ends in `_key` / `-key` (`openai_key`, `subscription_key`) unless it names a data
+column (`prompt_key`, `reward_fn_key`, `response_key`, ...: NOT_CREDENTIAL_KEYS) — so
+`ppo_max_token_len_per_gpu`, `tokenizer` and `author` stay visible.
 
 Free text loses the values of SECRET_ENV_VARS and of every environment variable whose name is a
 credential by the same rule (`OPENAI_API_KEY`, `MY_SERVICE_TOKEN`, variables passed through
-`ray_init.runtime_env.env_vars`), the value of any `Authorization:` / `Bearer` header, and the
-value of a `<credential key>=value` assignment (a command line, Hydra's override list).
+`ray_init.runtime_env.env_vars`), the value of any `Authorization:` / `Bearer` / `X-Api-Key` header,
+the password of a URL (`https://user:***@host`), and the value of a credential key written as
+`key=value` (a command line, Hydra's override list), `key: value` (YAML) or `"key": "value"` (JSON).
 """
 
 from __future__ import annotations
@@ -23,22 +25,33 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["SECRET_ENV_VARS", "MASK", "is_secret_key", "mask_text", "mask_secrets", "secret_env_vars"]
+__all__ = ["SECRET_ENV_VARS", "MASK", "NOT_CREDENTIAL_KEYS", "is_secret_key", "mask_text", "mask_secrets", "secret_env_vars"]
 
 SECRET_ENV_VARS = ("BRIGHTDATA_API_KEY", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 """Environment variables whose values are masked wherever they appear inside a string."""
 MASK = "***"
 _SECRET_KEY = re.compile(
-    r"api_?key|secret|password|passwd|credential|authori[sz]ation|auth(?!or)|cookie"
-    r"|(?:subscription|access|private|session|signing|encryption)[-_]?key|token$", re.IGNORECASE)
-# "Authorization: Bearer abc", "authorization=abc", "Bearer abc" (headers echoed in errors or logs)
-_AUTH_HEADER = re.compile(r"((?:proxy-)?authorization\s*[:=]\s*(?:(?:bearer|basic|token)\s+)?|bearer\s+)"
-                          r"([^\s\"',;}]+)", re.IGNORECASE)
+    r"api[-_]?key|secret|password|passwd|credential|authori[sz]ation|auth(?!or)|cookie"
+    r"|(?:subscription|access|private|session|signing|encryption)[-_]?key|token$|[-_]key$", re.IGNORECASE)
+NOT_CREDENTIAL_KEYS = frozenset({"prompt_key", "reward_fn_key", "response_key", "chosen_key", "rejected_key",
+                                 "messages_key", "answer_key", "question_key", "label_key", "image_key", "video_key",
+                                 "multi_turn_key", "sort_key", "cache_key", "group_key"})
+"""Keys ending in `_key` that name a data column or a lookup, not a credential."""
+# "Authorization: Bearer abc", "authorization=abc", "Bearer abc", "X-Api-Key: abc" (headers in errors or logs)
+_AUTH_HEADER = re.compile(r"((?:proxy-)?authorization\s*[:=]\s*(?:(?:bearer|basic|token)\s+)?|bearer\s+"
+                          r"|(?:x-)?api-key\s*[:=]\s*)([^\s\"',;}]+)", re.IGNORECASE)
+# the password of a URL: scheme://user:password@host
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+:)([^\s/@]+)(@)", re.IGNORECASE)
+# `key: value` lines (YAML, Hydra's --help) and `"key": "value"` pairs (JSON)
+_YAML_PAIR = re.compile(r"^(\s*(?:-\s+)?([\w.-]+)\s*:[ \t]+)(\S[^\n]*?)\s*$", re.MULTILINE)
+_JSON_PAIR = re.compile(r'("([\w.-]+)"\s*:\s*")((?:[^"\\]|\\.)*)(")')
+_EMPTY_VALUES = ("null", "~", "''", '""', "???", MASK, f"'{MASK}'")
 
 
 def is_secret_key(key: Any) -> bool:
     """True for keys holding credentials (the rule in this module's docstring)."""
-    return bool(_SECRET_KEY.search(str(key)))
+    name = str(key)
+    return bool(_SECRET_KEY.search(name)) and name.lower() not in NOT_CREDENTIAL_KEYS
 
 
 # credential-looking names that hold settings, not secrets (Ray exports RAY_AUTH_MODE=token)
@@ -66,13 +79,25 @@ def _mask_assignment(m: re.Match) -> str:
     return m.group(1) + m.group(2) + MASK if is_secret_key(m.group(1).rsplit(".", 1)[-1]) else m.group(0)
 
 
+def _mask_pair(m: re.Match) -> str:
+    if not is_secret_key(m.group(2)) or m.group(3).strip() in _EMPTY_VALUES or MASK in m.group(3):
+        return m.group(0)
+    return m.group(1) + MASK + (m.group(4) if m.lastindex and m.lastindex >= 4 else "")
+
+
 def mask_text(text: str) -> str:
-    """`text` with secret environment values (>= 4 chars), Authorization/Bearer header values and
-    the values of `<credential key>=value` assignments replaced by ***."""
+    """`text` with secret environment values (>= 4 chars), header values (Authorization, Bearer,
+    X-Api-Key), URL passwords and the values of credential keys (`key=value`, `key: value`,
+    `"key": "value"`) replaced by ***."""
     for value in _secret_env_values():
         if value in text:
             text = text.replace(value, MASK)
     text = _AUTH_HEADER.sub(lambda m: m.group(1) + MASK, text)
+    if "://" in text:
+        text = _URL_PASSWORD.sub(lambda m: m.group(1) + MASK + m.group(3), text)
+    if ":" in text:
+        text = _JSON_PAIR.sub(_mask_pair, text)
+        text = _YAML_PAIR.sub(_mask_pair, text)
     return _ASSIGNMENT.sub(_mask_assignment, text) if "=" in text else text
 
 
