@@ -106,7 +106,8 @@ def run_mode(mode: str, spec: dict, step: int, serp_url: str) -> dict:
     from transformers import AutoTokenizer
 
     from bench_branching import batch_of, load_prompts
-    from verl_arpo.workers.rollout.agent_loop import RolloutConfig, build_agent_loop
+    from verl_arpo.utils.job_config import RolloutSection, from_mapping
+    from verl_arpo.workers.rollout import build_agent_loop
     from verl_arpo.workers.rollout.engines.base import build_engine
     from verl_arpo.workers.rollout.tools.python_tool import PythonTool
     from verl_arpo.workers.rollout.tools.registry import ToolExecutor
@@ -123,9 +124,10 @@ def run_mode(mode: str, spec: dict, step: int, serp_url: str) -> dict:
                              "search": BingSearchTool(api_key="bench", zone="bench", endpoint=serp_url,
                                                       max_results=2, result_length=200)},
                             max_workers=64, timeout=30, retry_count=0, call_limit=3)
-    cfg = RolloutConfig(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.5, entropy_weight=0.2,
-                        response_length=spec["response_length"], temperature=1.0, call_limit=3, seed=step)
-    loop = build_agent_loop(mode, engine, tok, executor, cfg)
+    cfg = from_mapping(RolloutSection, dict(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.5,
+                                            entropy_weight=0.2, response_length=spec["response_length"],
+                                            temperature=1.0), "rollout")
+    loop = build_agent_loop(mode, engine, tok, executor, cfg, call_limit=3, seed=step)
     batch = batch_of(tok, ids)
     batch.meta_info["global_steps"] = step
     t0 = time.perf_counter()

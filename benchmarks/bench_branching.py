@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from verl_arpo.protocol import DataProto, as_object_array  # noqa: E402
 from verl_arpo.utils.reward_score import default_compute_score  # noqa: E402
-from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig  # noqa: E402
+from verl_arpo.utils.job_config import RolloutSection, from_mapping  # noqa: E402
+from verl_arpo.workers.rollout.agent_loop import AgentLoop  # noqa: E402
 from verl_arpo.workers.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor  # noqa: E402
 
@@ -82,9 +83,10 @@ def run(model_dir: str, data: str | None, prompts: int, n: int, m0: int, respons
         for seed in range(seeds):
             engine = HFEngine(model_dir, tok, dtype="float32", seed=seed)
             executor = ToolExecutor.from_config(tools_yaml)
-            cfg = RolloutConfig(n=n, response_length=response_length, call_limit=executor.call_limit, seed=seed, **s)
+            cfg = from_mapping(RolloutSection, dict(n=n, response_length=response_length, **s), "rollout")
             t0 = time.perf_counter()
-            out = AgentLoop(engine, tok, executor, cfg).generate_sequences(batch_of(tok, ids))
+            out = AgentLoop(engine, tok, executor, cfg, call_limit=executor.call_limit,
+                            seed=seed).generate_sequences(batch_of(tok, ids))
             agg["seconds"] += time.perf_counter() - t0
             m = out.meta_info["metrics"]
             # executions actually run (shared prefixes count once), incl. AEPO pre-monitoring

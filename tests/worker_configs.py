@@ -1,9 +1,11 @@
-"""The one helper for tests that build an actor or critic by hand (no trainer): the typed section from
-keyword overrides, and the per-worker batching a run derives (`JobConfig.derived`) for one worker and
-rollout.n = 1, so that the section's batch sizes are the worker's own."""
+"""The one helper for tests that build an actor, a critic or an agent loop by hand (no trainer): the
+typed section from keyword overrides, plus what a worker passes beside it — for the actor and critic
+the per-worker batching a run derives (`JobConfig.derived`) for one worker and rollout.n = 1, so that
+the section's batch sizes are the worker's own; for the agent loop its call limit and seed."""
 from __future__ import annotations
 
-from verl_arpo.utils.job_config import ActorConfig, Batching, CriticConfig, from_mapping, kl_term_active
+from verl_arpo.utils.job_config import (ActorConfig, Batching, CriticConfig, RolloutSection, from_mapping,
+                                     kl_term_active)
 
 
 def actor_kwargs(**keys) -> dict:
@@ -22,3 +24,12 @@ def critic_kwargs(**keys) -> dict:
 def log_probs(micro_batch: int = 8, use_dynamic_bsz: bool = False, max_token_len: int = 16384) -> Batching:
     """A log-prob pass's micro-batching (the YAML's log_prob_* defaults)."""
     return Batching(micro_batch=micro_batch, use_dynamic_bsz=use_dynamic_bsz, max_token_len=max_token_len)
+
+
+def rollout(call_limit: int | None = None, seed: int | None = None, **keys) -> tuple[RolloutSection, dict]:
+    """The agent loop's arguments: the typed rollout section from keyword overrides, and the
+    `call_limit` and `seed` keywords a worker passes (default: the section's tools.call_limit and seed).
+    `AgentLoop(engine, tok, executor, cfg, **kw)` / `build_agent_loop(mode, ..., cfg, **kw)`."""
+    cfg = from_mapping(RolloutSection, keys, "actor_rollout_ref.rollout")
+    return cfg, dict(call_limit=cfg.tools.call_limit if call_limit is None else call_limit,
+                     seed=cfg.seed if seed is None else seed)

@@ -13,7 +13,8 @@ import time
 import pytest
 from rel_helpers import FakeSearchAPI, FuzzEngine, check_rollout, prompts
 
-from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
+from verl_arpo.workers.rollout.agent_loop import AgentLoop
+from worker_configs import rollout
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 from verl_arpo.workers.rollout.tools.search_tool import BingSearchTool
@@ -56,8 +57,8 @@ def _loop(tok, executor, turns_by_prompt, n=2, response_length=256, call_limit=3
         turns = turns_by_prompt[int(req.request_id.split("-")[0][1:])]
         return turns[k] if k < len(turns) else ANSWER
 
-    cfg = RolloutConfig(n=n, response_length=response_length, call_limit=call_limit, entropy_mode="full")
-    return AgentLoop(FuzzEngine(tok, script), tok, executor, cfg)
+    cfg, kw = rollout(n=n, response_length=response_length, call_limit=call_limit, entropy_mode="full")
+    return AgentLoop(FuzzEngine(tok, script), tok, executor, cfg, **kw)
 
 
 def test_hang_raise_and_ten_megabytes_in_one_rollout(rel_tok, faulty):

@@ -13,7 +13,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from rel_helpers import FuzzEngine, FuzzTurn, check_rollout, fuzz, prompts
 
-from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
+from verl_arpo.workers.rollout.agent_loop import AgentLoop
+from worker_configs import rollout
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 
@@ -97,7 +98,8 @@ def test_fuzzed_model_text_and_tool_output_keep_the_rollout_invariants(rel_tok, 
         turns = scripts[_prompt_index(req.request_id)]
         return turns[k] if k < len(turns) else FuzzTurn(ANSWER)
 
-    loop = AgentLoop(FuzzEngine(rel_tok, script), rel_tok, executor, RolloutConfig(**cfg))
+    section, kw = rollout(**cfg)
+    loop = AgentLoop(FuzzEngine(rel_tok, script), rel_tok, executor, section, **kw)
     batch = prompts(rel_tok, [PROMPT.format(i=i) for i in range(num_prompts)])
     batch.meta_info["validate"] = validate
     start = time.monotonic()
@@ -124,8 +126,8 @@ def _run(tok, turns, reply="ran", response_length=256, call_limit=3, n=1):
     tool = ReplyTool("python", [reply])
     executor = ToolExecutor({"python": tool, "search": ReplyTool("search", ["found"])}, max_workers=2,
                             timeout=5, retry_count=0, call_limit=call_limit)
-    loop = AgentLoop(FuzzEngine(tok, lambda req, k: turns[k] if k < len(turns) else ANSWER), tok, executor,
-                     RolloutConfig(n=n, response_length=response_length, call_limit=call_limit, entropy_mode="full"))
+    cfg, kw = rollout(n=n, response_length=response_length, call_limit=call_limit, entropy_mode="full")
+    loop = AgentLoop(FuzzEngine(tok, lambda req, k: turns[k] if k < len(turns) else ANSWER), tok, executor, cfg, **kw)
     out = loop.generate_sequences(prompts(tok, ["q"]))
     check_rollout(out, tok, n, 1, response_length, call_limit)
     return out, tool

@@ -12,7 +12,8 @@ from scripted import EchoTool, ScriptedEngine, Turn, make_executor
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.workers.rollout import branching
 from verl_arpo.utils.job_config import ROLLOUT_MODES
-from verl_arpo.workers.rollout.agent_loop import RolloutConfig, build_agent_loop
+from verl_arpo.workers.rollout import build_agent_loop
+from worker_configs import rollout
 
 CALL = "<think>t</think> <python>x=1</python>"
 ANSWER = "<answer>\\boxed{1}</answer>"
@@ -41,7 +42,8 @@ def _loop(tok, script, executor=None, mode="sync_with_tool", **cfg):
     cfg.setdefault("entropy_mode", "full")
     engine = ScriptedEngine(tok, script)
     executor = executor or make_executor(cfg.get("call_limit", 3))
-    return build_agent_loop(mode, engine, tok, executor, RolloutConfig(**cfg)), engine
+    section, kw = rollout(**cfg)
+    return build_agent_loop(mode, engine, tok, executor, section, **kw), engine
 
 
 def _tree(out):
@@ -343,7 +345,8 @@ def test_branch_rule_and_pre_monitoring_are_separate_switches(tiny_tokenizer, br
 
 def test_unknown_branch_rule_names_the_choices():
     with pytest.raises(ValueError, match="aepo"):
-        RolloutConfig(branch_rule="beam")
+        section, kw = rollout(branch_rule="beam")
+        build_agent_loop("sync_with_tool", None, None, None, section, **kw)
 
 
 def test_progress_lines_count_finished_trajectories_tool_calls_and_tokens(tiny_tokenizer, monkeypatch, capsys):

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.utils.torch_functional import logprobs_from_logits
 from verl_arpo.utils.job_config import ROLLOUT_MODES
-from verl_arpo.workers.rollout.agent_loop import RolloutConfig, build_agent_loop
+from verl_arpo.workers.rollout import build_agent_loop
+from worker_configs import rollout
 from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
 from verl_arpo.workers.rollout.tools.local_search_tool import LocalSearchTool
 from verl_arpo.workers.rollout.tools.python_tool import PythonTool
@@ -42,9 +43,9 @@ def test_real_model_real_tools(tool_model, tiny_tokenizer, kv_cache, mode):
     engine = HFEngine(tool_model, tok, dtype="float32", kv_cache=kv_cache, seed=0)
     executor = ToolExecutor({"python": PythonTool(timeout=10), "search": LocalSearchTool(max_results=1, result_length=120)},
                             max_workers=4, timeout=30, retry_count=0, call_limit=2)
-    cfg = RolloutConfig(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
+    cfg, kw = rollout(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
                         response_length=96, temperature=1.0, call_limit=2, seed=5)
-    out = build_agent_loop(mode, engine, tok, executor, cfg).generate_sequences(_prompts(tok, 2))
+    out = build_agent_loop(mode, engine, tok, executor, cfg, **kw).generate_sequences(_prompts(tok, 2))
     nt, b = out.non_tensor_batch, out.batch
     assert len(out) == 8 and list(nt["uid"]) == ["u0"] * 4 + ["u1"] * 4
     calls = [c for cs in nt["tool_calls"] for c in cs]
@@ -102,7 +103,7 @@ def test_async_same_tree_twice_with_fixed_latency_tools(tool_model, tiny_tokeniz
     reach with one branch per tool result and 2 calls each, so no two siblings ever race for a
     prompt's last slot (the one thing async mode leaves to timing: docs/algorithms.md)."""
     tok = tiny_tokenizer
-    cfg = RolloutConfig(n=8, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
+    cfg, kw = rollout(n=8, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
                         response_length=96, temperature=1.0, call_limit=2, seed=9)
     outs = []
     for _ in range(2):
@@ -110,7 +111,7 @@ def test_async_same_tree_twice_with_fixed_latency_tools(tool_model, tiny_tokeniz
         executor = ToolExecutor({"python": _FixedLatency(0.05, timeout=10),
                                  "search": LocalSearchTool(max_results=1, result_length=120)},
                                 max_workers=8, timeout=30, retry_count=0, call_limit=2)
-        outs.append(build_agent_loop("async_with_tool", engine, tok, executor, cfg).generate_sequences(_prompts(tok, 3)))
+        outs.append(build_agent_loop("async_with_tool", engine, tok, executor, cfg, **kw).generate_sequences(_prompts(tok, 3)))
     a, b = outs
     assert len(a) == 24 and list(a.non_tensor_batch["uid"]) == ["u0"] * 8 + ["u1"] * 8 + ["u2"] * 8
     assert sum(len(c) for c in a.non_tensor_batch["tool_calls"]) > 0
@@ -133,9 +134,9 @@ def test_calculate_log_probs_off_keeps_the_tree_and_drops_rollout_log_probs(tool
         executor = ToolExecutor({"python": PythonTool(timeout=10),
                                  "search": LocalSearchTool(max_results=1, result_length=120)},
                                 max_workers=4, timeout=30, retry_count=0, call_limit=2)
-        cfg = RolloutConfig(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
+        cfg, kw = rollout(n=4, initial_rollouts=2, beam_size=2, branch_probability=0.7, entropy_weight=0.2,
                             response_length=64, temperature=1.0, call_limit=2, seed=5, calculate_log_probs=on)
-        outs[on] = build_agent_loop(mode, engine, tok, executor, cfg).generate_sequences(_prompts(tok, 2))
+        outs[on] = build_agent_loop(mode, engine, tok, executor, cfg, **kw).generate_sequences(_prompts(tok, 2))
     with_lp, without = outs[True], outs[False]
     assert "rollout_log_probs" in with_lp.batch.keys() and "rollout_log_probs" not in without.batch.keys()
     assert torch.equal(with_lp.batch["responses"], without.batch["responses"])

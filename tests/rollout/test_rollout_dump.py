@@ -5,7 +5,8 @@ from test_agent_loop import CALL, ANSWER, _prompts
 
 from verl_arpo.utils.rollout_dump import dump_rollout, read_dump, run_length_decode, run_length_encode
 from verl_arpo.utils.rollout_tree import main as tree_main, tree_layout
-from verl_arpo.workers.rollout.agent_loop import AgentLoop, RolloutConfig
+from verl_arpo.workers.rollout.agent_loop import AgentLoop
+from worker_configs import rollout
 
 
 def test_rle():
@@ -17,8 +18,9 @@ def test_rle():
 def test_dump_and_tree(tiny_tokenizer, tmp_path):
     tok = tiny_tokenizer
     engine = ScriptedEngine(tok, lambda r, k: Turn(CALL if k < 2 else ANSWER, entropy=1.0 + k))
-    loop = AgentLoop(engine, tok, make_executor(), RolloutConfig(n=4, initial_rollouts=1, beam_size=2,
-                     branch_probability=0.9, entropy_weight=0.0, response_length=200, entropy_mode="full", seed=1))
+    cfg, kw = rollout(n=4, initial_rollouts=1, beam_size=2, branch_probability=0.9, entropy_weight=0.0,
+                      response_length=200, entropy_mode="full", seed=1)
+    loop = AgentLoop(engine, tok, make_executor(), cfg, **kw)
     out = loop.generate_sequences(_prompts(tok, ["q"]))
     R = out.batch["responses"].shape[-1]
     scores = torch.zeros(len(out), R)

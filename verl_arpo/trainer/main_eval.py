@@ -338,7 +338,10 @@ def _resolve(path: str) -> str:
 
 def build_loop(args, tokenizer, engine=None):
     """AgentLoop over the engine of `--engine` (or the one given) and the tools of `--tools`."""
-    from verl_arpo.workers.rollout.agent_loop import RolloutConfig, build_agent_loop
+    import dataclasses
+
+    from verl_arpo.utils.job_config import RolloutSection
+    from verl_arpo.workers.rollout import build_agent_loop
     from verl_arpo.workers.rollout.engines.base import build_engine
     from verl_arpo.workers.rollout.tools import ToolExecutor
 
@@ -349,9 +352,11 @@ def build_loop(args, tokenizer, engine=None):
         engine = build_engine(args.engine, os.path.expanduser(args.model), tokenizer, **kwargs)
     executor = None if str(args.tools).lower() in ("none", "") else ToolExecutor.from_config(_resolve(args.tools))
     call_limit = args.call_limit if args.call_limit is not None else (executor.call_limit if executor else 0)
-    cfg = RolloutConfig(n=args.k, response_length=args.max_response_length, temperature=args.temperature,
-                        top_p=args.top_p, call_limit=call_limit, seed=args.seed, entropy_topk=1)
-    return build_agent_loop(args.rollout_mode, engine, tokenizer, executor, cfg), executor
+    # the YAML's rollout section with this command's sampling (the initial_rollouts default: no branching)
+    cfg = dataclasses.replace(RolloutSection(), n=args.k, response_length=args.max_response_length,
+                              temperature=args.temperature, top_p=args.top_p, entropy_topk=1)
+    return build_agent_loop(args.rollout_mode, engine, tokenizer, executor, cfg, call_limit=call_limit,
+                            seed=args.seed), executor
 
 
 def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:

@@ -250,7 +250,7 @@ ROLLOUT_MODES = ("sync_with_tool", "async_with_tool")
 
 @dataclass(frozen=True)
 class RolloutSection:
-    """`actor_rollout_ref.rollout` as written (the agent loop's own view is agent_loop.RolloutConfig)."""
+    """`actor_rollout_ref.rollout` as written; the agent loop reads it as it is."""
 
     name: str = "hf"
     mode: str = "sync_with_tool"  # one of ROLLOUT_MODES

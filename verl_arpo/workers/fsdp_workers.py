@@ -151,7 +151,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             self._sync_rollout_weights()
 
     def _build_rollout(self, path: str):
-        from verl_arpo.workers.rollout.agent_loop import RolloutConfig, build_agent_loop
+        from verl_arpo.workers.rollout import build_agent_loop
         from verl_arpo.workers.rollout.engines.base import build_engine
         from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 
@@ -175,8 +175,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.tool_executor = ToolExecutor.from_config(rcfg.tools)
         call_limit = self.tool_executor.call_limit if self.tool_executor else 0
         # each rank draws from its own stream: seed + rank (the step enters inside the loop)
-        loop_cfg = RolloutConfig.from_config(rcfg, call_limit=call_limit, seed=int(rcfg.seed) * 1000 + self.rank)
-        self.agent_loop = build_agent_loop(rcfg.mode, self.engine, self.tokenizer, self.tool_executor, loop_cfg)
+        self.agent_loop = build_agent_loop(rcfg.mode, self.engine, self.tokenizer, self.tool_executor, rcfg,
+                                           call_limit=call_limit, seed=int(rcfg.seed) * 1000 + self.rank)
 
     # ------------------------------------------------------------------ weight sync
     def _weight_plan(self) -> list[tuple[str, torch.Tensor, tuple | None]]:

@@ -30,14 +30,13 @@ from __future__ import annotations
 import copy
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.utils.job_config import ROLLOUT_MODES, RolloutSection, ValKwargs, from_mapping
+from verl_arpo.utils.job_config import RolloutSection
 from verl_arpo.utils.progress import Progress
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.rollout import branching
@@ -47,81 +46,11 @@ from verl_arpo.workers.rollout.tool_text import extract_tool_call, fit_tool_resu
 EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
 
 
-_SECTION = RolloutSection()
-
-
-@dataclass
-class RolloutConfig:
-    """The agent loop's view of `actor_rollout_ref.rollout`: the keys it uses, defaults taken from the
-    typed section (job_config.RolloutSection, which a test keeps equal to configs/ppo_trainer.yaml)."""
-
-    n: int = _SECTION.n
-    """trajectories per prompt at the end (the GRPO group size)."""
-    initial_rollouts: int | None = _SECTION.initial_rollouts
-    """m0: independent trajectories started per prompt; None or ≥ n means plain GRPO (no branching)."""
-    beam_size: int = _SECTION.beam_size
-    """a trajectory may spawn up to beam_size − 1 branches per round."""
-    branch_rule: str = _SECTION.branch_rule
-    """the branch decision, a name in branching.BRANCH_RULES: `arpo` (probability branch_probability
-    + w·ΔH) or `aepo` (threshold rule with the consecutive-branch penalty, the AEPO rollout's)."""
-    branch_probability: float = _SECTION.branch_probability
-    """arpo: base branch probability; aepo: the threshold on the branch score."""
-    entropy_weight: float = _SECTION.entropy_weight
-    """weight of ΔH = H_k − H0_k in the branch rule."""
-    enable_dynamic_rollouts: bool = _SECTION.enable_dynamic_rollouts
-    """AEPO entropy pre-monitoring: m_i initial trajectories per prompt from H_root − H̄ (any branch rule)."""
-    dynamic_rollout_beta: float = _SECTION.dynamic_rollout_beta
-    """AEPO β in m_i = floor(n·σ(β·(H_root − H̄))) + 1."""
-    branch_penalty_gamma: float = _SECTION.branch_penalty_gamma
-    """AEPO γ in the branch penalty max(0, 1 − γ·c_i)."""
-    initial_entropy_tokens: int = _SECTION.initial_entropy_tokens
-    """AEPO: length of the short generation that measures H_root."""
-    entropy_mode: str = _SECTION.entropy_mode
-    """round entropy: `topk_proxy` (the reference's top-k sum / ln|V|) or `full` (exact, mean)."""
-    entropy_window: int = _SECTION.entropy_window
-    """round entropy uses the first ≤ entropy_window tokens generated in the round."""
-    entropy_topk: int = _SECTION.entropy_topk
-    """top-k log-probs per position requested from the engine (for topk_proxy)."""
-    response_length: int = _SECTION.response_length
-    """max response tokens per trajectory, generated and tool-result tokens together."""
-    temperature: float = _SECTION.temperature
-    top_p: float = _SECTION.top_p
-    top_k: int = _SECTION.top_k
-    call_limit: int = _SECTION.tools.call_limit
-    """tool calls per trajectory; the next call ends the trajectory with a forced (masked) EOS."""
-    max_rounds: int | None = _SECTION.max_rounds
-    """optional cap on rounds per generate call; trajectories still short of n are then duplicated."""
-    seed: int = _SECTION.seed
-    """seeds every branch draw and sampling seed, with the training step: same seed → same tree."""
-    seed_requests: bool = _SECTION.seed_requests
-    """give every generation request its own sampling seed (reproducible trees); off, the engine's
-    own stream samples (vLLM then draws the whole batch at once: no per-request generator)."""
-    calculate_log_probs: bool = _SECTION.calculate_log_probs
-    """the engine returns each sampled token's log-prob; the batch then carries `rollout_log_probs`."""
-    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
-    """validation sampling (`rollout.val_kwargs`): greedy by default, n = 1, never branches."""
-
-    @classmethod
-    def from_config(cls, cfg: RolloutSection | Any, **overrides) -> "RolloutConfig":
-        """The loop's view of `actor_rollout_ref.rollout` (a RolloutSection, or a dict of its keys):
-        the fields this loop uses, by name; `overrides` win (call_limit, seed)."""
-        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
-        kwargs = {f.name: get(f.name, None) for f in fields(cls)}
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.val_kwargs, ValKwargs):  # a mapping of the rollout.val_kwargs keys
-            object.__setattr__(self, "val_kwargs", from_mapping(ValKwargs, self.val_kwargs, "rollout.val_kwargs"))
-        branching.get_branch_rule(self.branch_rule)  # an unknown name fails here, naming the choices
-
-    @property
-    def active_branch_rule(self) -> str:
-        """`branch_rule`, or `none` when no slot can ever be free (m0 = n without pre-monitoring: GRPO)."""
-        if not self.enable_dynamic_rollouts and branching.initial_rollout_count(self.n, self.initial_rollouts) >= self.n:
-            return "none"
-        return self.branch_rule
+def active_branch_rule(cfg: RolloutSection) -> str:
+    """`branch_rule`, or `none` when no slot can ever be free (m0 = n without pre-monitoring: GRPO)."""
+    if not cfg.enable_dynamic_rollouts and branching.initial_rollout_count(cfg.n, cfg.initial_rollouts) >= cfg.n:
+        return "none"
+    return cfg.branch_rule
 
 
 @dataclass
@@ -162,8 +91,16 @@ class Trajectory:
 class AgentLoop:
     """Drives any `InferenceEngine` and a `ToolExecutor` through multi-turn tool rollouts."""
 
-    def __init__(self, engine, tokenizer, executor, config: RolloutConfig):
+    def __init__(self, engine, tokenizer, executor, config: RolloutSection, *, call_limit: int, seed: int):
+        """config: the typed `actor_rollout_ref.rollout` section. call_limit: tool calls per trajectory
+        (the tool executor's, which a tool YAML may set). seed: this loop's stream (the worker gives
+        rollout.seed × 1000 + rank; the step enters per call)."""
+        if not isinstance(config, RolloutSection):
+            raise TypeError(f"AgentLoop: config is the typed rollout section (job_config.RolloutSection), got "
+                            f"{type(config).__name__}")
+        branching.get_branch_rule(config.branch_rule)  # an unknown name fails here, naming the choices
         self.engine, self.tokenizer, self.executor, self.cfg = engine, tokenizer, executor, config
+        self.call_limit, self.seed = int(call_limit), int(seed)
         self.stop_strings = list(executor.stop_strings) if executor is not None else []
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
@@ -211,7 +148,7 @@ class AgentLoop:
         step 1 (the budget). Returns (validate, n, rule, sampling, prompt_ids, rng, groups)."""
         cfg, meta = self.cfg, prompts.meta_info
         validate = bool(meta.get("validate", False))
-        self._key = [cfg.seed, int(meta.get("global_steps", 0)), int(validate)]
+        self._key = [self.seed, int(meta.get("global_steps", 0)), int(validate)]
         rng = np.random.default_rng(self._key)
         n, rule, sampling = self._mode(validate, meta)
         prompt_ids = self._unpad_prompts(prompts)
@@ -247,7 +184,7 @@ class AgentLoop:
         else:
             greedy = meta.get("do_sample", True) is False
             sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
-            n, rule = int(meta.get("n", cfg.n)), cfg.active_branch_rule
+            n, rule = int(meta.get("n", cfg.n)), active_branch_rule(cfg)
         sp.logprobs_topk = cfg.entropy_topk if cfg.entropy_mode == "topk_proxy" else 0
         sp.full_entropy = cfg.entropy_mode == "full"
         sp.stats_window = cfg.entropy_window  # the branch rule reads no statistics past it
@@ -299,7 +236,7 @@ class AgentLoop:
             t.done, t.finish_reason = True, out.finish_reason
         elif room <= 0:  # the call closed exactly at the budget: no room for a result
             t.done, t.finish_reason = True, "length"
-        elif t.num_tool_calls >= cfg.call_limit:
+        elif t.num_tool_calls >= self.call_limit:
             t.append([self.eos_id], 0)  # forced, not sampled: loss mask 0
             t.done, t.finish_reason = True, "call_limit"
         else:
@@ -437,15 +374,3 @@ class AgentLoop:
             # per-call window: counts belong to this rollout, so a resumed run reports the same numbers
             m.update({k: float(v) for k, v in self.executor.metrics(reset=True).items() if isinstance(v, (int, float))})
         return m
-
-
-def build_agent_loop(mode: str, engine, tokenizer, executor, config: RolloutConfig) -> AgentLoop:
-    """`rollout.mode`: sync_with_tool (rounds, this file) or async_with_tool (no round barriers,
-    async_agent_loop.py); both return the same DataProto."""
-    if mode == "sync_with_tool":
-        return AgentLoop(engine, tokenizer, executor, config)
-    if mode == "async_with_tool":
-        from verl_arpo.workers.rollout.async_agent_loop import AsyncAgentLoop
-
-        return AsyncAgentLoop(engine, tokenizer, executor, config)
-    raise ValueError(f"actor_rollout_ref.rollout.mode={mode!r}; choose one of {list(ROLLOUT_MODES)}")
