@@ -46,3 +46,18 @@ def test_dump_and_tree(tiny_tokenizer, tmp_path):
     tree_main([str(path), "-o", str(html_path)])
     page = html_path.read_text()
     assert page.startswith("<!doctype html>") and all(r["traj_id"] in page for r in recs)
+
+
+def test_a_tool_result_that_echoes_a_key_is_masked_in_the_dump(tiny_tokenizer, tmp_path, monkeypatch):
+    """[issue 34, item 6] Rollout dumps were never masked: a search result echoing the API key (an
+    error page, a debug reply) reached the file in clear. The rest of the line stays readable."""
+    tok = tiny_tokenizer
+    monkeypatch.setenv("BRIGHTDATA_API_KEY", "bd-secret-value-4242")
+    engine = ScriptedEngine(tok, lambda r, k: Turn(CALL if k < 1 else ANSWER, entropy=1.0))
+    cfg, kw = rollout(n=1, response_length=200, entropy_mode="full", seed=1)
+    out = AgentLoop(engine, tok, make_executor(), cfg, **kw).generate_sequences(_prompts(tok, ["q"]))
+    out.non_tensor_batch["tool_calls"][0][0]["result"] = "denied for key bd-secret-value-4242 (Authorization: Bearer tok-777)"
+    text = dump_rollout(out, tok, step=1, out_dir=tmp_path).read_text()
+    assert "bd-secret-value-4242" not in text and "tok-777" not in text
+    assert read_dump(tmp_path / "rollout_1.jsonl")[0]["tool_calls"][0]["result"] == \
+        "denied for key *** (Authorization: Bearer ***)"

@@ -255,3 +255,51 @@ def test_save_freq_minus_one_never_saves_and_val_only_validates_the_last_checkpo
     lines = _jsonl(tmp_path)
     assert [m["step"] for m in lines] == [1, 2, 2]  # two training steps, then the validation at step 2
     assert "val/arpo_toy_math/score/mean" in lines[-1]
+
+
+def test_validation_generations_are_logged_and_dumped(ray_local, tool_model_dir, toy_data, tmp_path, capsys):
+    """[issue 33, item 3] verl's trainer.log_val_generations=N and trainer.validation_data_dir, read back
+    from what the run wrote: every generation in <dir>/<step>.jsonl (their scores give the logged
+    validation means again), and N of them — the same prompts at every validation — on the console,
+    in logs/val_generations.jsonl and as tensorboard text."""
+    from collections import defaultdict
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from verl_arpo.trainer.ppo.ray_trainer import run_ppo
+
+    val_dir = tmp_path / "val"
+    run_ppo(_compose(_overrides(tool_model_dir, toy_data, tmp_path, [
+        "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.val_before_train=true",
+        "trainer.test_freq=1", "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "trainer.log_val_generations=3",
+        f"trainer.validation_data_dir={val_dir}", "trainer.logger=[console,jsonl,tensorboard]"])))
+    console = capsys.readouterr().out
+    metrics = {m["step"]: m for m in _jsonl(tmp_path)}
+    n_val = len(pd.read_parquet(Path(toy_data) / "valid.parquet"))
+    dumped = {}
+    for step in (0, 1):
+        rows = [json.loads(line) for line in (val_dir / f"{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 * n_val and all(r["step"] == step for r in rows)
+        assert all({"input", "output", "score", "data_source", "uid"} <= set(r) for r in rows)
+        by_source = defaultdict(list)
+        for r in rows:
+            by_source[r["data_source"]].append(r["score"])
+        for source, scores in by_source.items():  # the dump's scores are the ones the metrics came from
+            assert metrics[step][f"val/{source}/score/mean"] == pytest.approx(sum(scores) / len(scores))
+        dumped[step] = rows
+    logged = [json.loads(line) for line in (tmp_path / "logs" / "val_generations.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logged] == [0, 1]
+    for entry in logged:
+        assert len(entry["samples"]) == 3
+        for s in entry["samples"]:  # each one is a real generation of that validation
+            assert any((s["input"], s["output"], s["score"]) == (r["input"], r["output"], r["score"])
+                       for r in dumped[entry["step"]])
+        assert f"[validation generations] step {entry['step']}: 3 sample(s)" in console
+    assert sorted(s["input"] for s in logged[0]["samples"]) == sorted(s["input"] for s in logged[1]["samples"])
+    assert logged[1]["samples"][0]["output"].strip() and logged[1]["samples"][0]["output"].strip()[:40] in console
+    events = EventAccumulator(str(tmp_path / "logs" / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("val/generations/text_summary")
+    assert [e.step for e in texts] == [0, 1]
+    assert logged[1]["samples"][0]["input"].strip()[:40] in texts[1].tensor_proto.string_val[0].decode()

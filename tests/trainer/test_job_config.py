@@ -135,9 +135,9 @@ def test_every_key_is_read_by_some_code():
 
 def test_not_implemented_keys_reject_a_non_default_value():
     job = jc.JobConfig.from_mapping({"actor_rollout_ref": {"rollout": {"ignore_eos": True}},
-                                     "trainer": {"log_val_generations": 3}})
+                                     "trainer": {"max_critic_ckpt_to_keep": 3}})
     problems = dict(jc.not_implemented_problems(job))
-    assert set(problems) == {"actor_rollout_ref.rollout.ignore_eos", "trainer.log_val_generations"}
+    assert set(problems) == {"actor_rollout_ref.rollout.ignore_eos", "trainer.max_critic_ckpt_to_keep"}
     assert "set it back to False" in problems["actor_rollout_ref.rollout.ignore_eos"]
     assert jc.not_implemented_problems(jc.JobConfig()) == []
     for key in jc.NOT_IMPLEMENTED:  # every listed key exists

@@ -447,6 +447,9 @@ def _check_trainer(c: DictConfig, add: Callable[[str, str], None]) -> None:
     for leaf in ("save_freq", "test_freq", "total_epochs"):
         if _as_int(_select(c, f"trainer.{leaf}", 1)) is None:
             add(f"trainer.{leaf}", "must be an integer")
+    shown = _as_int(_select(c, "trainer.log_val_generations", 0))
+    if shown is None or shown < 0:
+        add("trainer.log_val_generations", "must be an integer >= 0 (validation samples logged per validation)")
     steps = _select(c, "trainer.total_training_steps")
     if steps is not None and (_as_int(steps) is None or _as_int(steps) < 1):
         add("trainer.total_training_steps", "must be null or an integer >= 1")

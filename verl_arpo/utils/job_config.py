@@ -590,8 +590,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "actor_rollout_ref.rollout.ignore_eos": "generation always stops at EOS",
     "actor_rollout_ref.rollout.do_sample": "training rollouts always sample; greedy is for validation (val_kwargs.do_sample)",
     "reward_model.launch_reward_fn_async": "rewards are scored in the driver, in parallel processes (reward_model.num_workers)",
-    "trainer.log_val_generations": "validation generations are not printed; use trainer.rollout_data_dir for dumps",
-    "trainer.validation_data_dir": "validation generations are not written; use trainer.rollout_data_dir for dumps",
     "trainer.max_critic_ckpt_to_keep": "checkpoints are kept or dropped per step folder: use trainer.max_actor_ckpt_to_keep",
     "trainer.default_hdfs_dir": "no HDFS copy is made; checkpoints go to trainer.default_local_dir",
 }

@@ -1,6 +1,7 @@
 """Rollout dumps: one JSONL file per training step, one line per trajectory.
 
-Written when `trainer.rollout_data_dir` is set, after rewards and advantages are known:
+Written when `trainer.rollout_data_dir` is set, after rewards and advantages are known, with every
+line masked (`mask_text`: a tool result that echoes a credential loses it):
 
     {"step", "uid", "traj_id", "parent_id", "branch_round", "branch_pos", "prompt", "response",
      "response_mask": [[value, run_length], ...],      # run-length encoded loss mask
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from verl_arpo.utils.secrets import mask_text
 
 
 def run_length_encode(values) -> list[list[int]]:
@@ -83,7 +86,7 @@ def dump_rollout(batch, tokenizer, step: int, out_dir: str | os.PathLike) -> Pat
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for rec in rollout_records(batch, tokenizer, step):
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.write(mask_text(json.dumps(rec, ensure_ascii=False)) + "\n")   # a tool result may echo a key
     os.replace(tmp, path)
     return path
 

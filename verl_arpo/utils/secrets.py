@@ -39,7 +39,7 @@ NOT_CREDENTIAL_KEYS = frozenset({"prompt_key", "reward_fn_key", "response_key", 
 """Keys ending in `_key` that name a data column or a lookup, not a credential."""
 # "Authorization: Bearer abc", "authorization=abc", "Bearer abc", "X-Api-Key: abc" (headers in errors or logs)
 _AUTH_HEADER = re.compile(r"((?:proxy-)?authorization\s*[:=]\s*(?:(?:bearer|basic|token)\s+)?|bearer\s+"
-                          r"|(?:x-)?api-key\s*[:=]\s*)([^\s\"',;}]+)", re.IGNORECASE)
+                          r"|(?:x-)?api-key\s*[:=]\s*)([^\s\"',;})\]]+)", re.IGNORECASE)
 # the password of a URL: scheme://user:password@host
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+:)([^\s/@]+)(@)", re.IGNORECASE)
 # `key: value` lines (YAML, Hydra's --help) and `"key": "value"` pairs (JSON)

@@ -16,7 +16,11 @@ Backends (`trainer.logger`):
                  collected.
 
 Every config handed to a backend goes through `mask_secrets` first, whoever built it.
-Not covered: tables of validation generations (verl logs them to wandb; we write rollout dumps).
+
+Validation generations (`trainer.log_val_generations`, utils/val_generations.py):
+`tracker.log_generations(samples, step)` prints a block on the console, appends one line to
+`<log_dir>/val_generations.jsonl`, writes a text summary `val/generations` to tensorboard, and logs
+a wandb table `val/generations` with one row per validation (step, input_i, output_i, score_i), as verl.
 """
 
 from __future__ import annotations
@@ -141,6 +145,15 @@ class ConsoleBackend:
         else:
             print(line, file=self.stream, flush=True)
 
+    def log_generations(self, samples: list[dict], step: int) -> None:
+        from verl_arpo.utils.val_generations import format_block
+
+        bar = self._progress
+        if bar is not None:
+            bar.console.print(format_block(samples, step), markup=False, highlight=False)
+        else:
+            print(format_block(samples, step), file=self.stream, flush=True)
+
     def finish(self) -> None:
         if self._progress is not None:
             self._progress.stop()
@@ -162,6 +175,10 @@ class JsonlBackend:
         self._file.write(mask_text(json.dumps(record)) + "\n")
         self._file.flush()
 
+    def log_generations(self, samples: list[dict], step: int) -> None:
+        with open(self.path.parent / "val_generations.jsonl", "a", encoding="utf-8") as f:
+            f.write(mask_text(json.dumps({"step": step, "samples": samples}, ensure_ascii=False)) + "\n")
+
     def finish(self) -> None:
         if not self._file.closed:
             self._file.close()
@@ -182,6 +199,12 @@ class TensorboardBackend:
             value = _scalar(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_generations(self, samples: list[dict], step: int) -> None:
+        from verl_arpo.utils.val_generations import format_block
+
+        self.writer.add_text("val/generations", "```\n" + format_block(samples, step) + "\n```", step)
         self.writer.flush()
 
     def finish(self) -> None:
@@ -212,6 +235,20 @@ class WandbBackend:
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
         self.run.log({str(k): _scalar(v) for k, v in data.items()}, step=step)
+
+    def log_generations(self, samples: list[dict], step: int) -> None:
+        """verl's table: one row per validation (a wandb table is immutable once logged, so the whole
+        table so far is logged again)."""
+        import wandb
+
+        rows = getattr(self, "_generation_rows", [])
+        rows.append([step] + [mask_text(str(v)) if k != "score" else v for s in samples
+                              for k, v in (("input", s["input"]), ("output", s["output"]), ("score", s["score"]))])
+        self._generation_rows = rows
+        width = max(len(r) for r in rows)
+        columns = ["step"] + [f"{k}_{i}" for i in range(1, (width - 1) // 3 + 1) for k in ("input", "output", "score")]
+        self.run.log({"val/generations": wandb.Table(columns=columns, data=[r + [None] * (width - len(r)) for r in rows])},
+                     step=step)
 
     def finish(self) -> None:
         self.run.finish()
@@ -263,6 +300,13 @@ class Tracking:
         """Send one step's metrics to every backend."""
         for backend in self.backends.values():
             backend.log(data, step)
+
+    def log_generations(self, samples: list[dict], step: int) -> None:
+        """Validation samples (utils/val_generations.py) to every backend that shows them."""
+        if not samples:
+            return
+        for backend in self.backends.values():
+            backend.log_generations(samples, step)
 
     def finish(self) -> None:
         """Flush and close every backend (idempotent)."""

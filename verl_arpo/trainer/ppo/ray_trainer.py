@@ -144,6 +144,7 @@ class RayPPOTrainer:
         self.consecutive_skipped = 0
         self.wandb_run_id: str | None = None  # continued by a resumed run (stored in data.pt)
         self.last_checkpoint: str | None = None
+        self._val_samples: list[dict] = []   # picked by validate, logged with its step's metrics
 
     # ------------------------------------------------------------------ workers
     def init_workers(self):
@@ -335,12 +336,24 @@ class RayPPOTrainer:
                 "function, or resume from the last checkpoint")
 
     # ------------------------------------------------------------------ validation
+    def _log(self, tracker, metrics: dict, step: int) -> None:
+        """One step's metrics, then the validation samples picked at this step (if any)."""
+        tracker.log(metrics, step=step)
+        samples, self._val_samples = self._val_samples, []
+        tracker.log_generations(samples, step)
+
     def validate(self, step: int) -> dict[str, float]:
+        """Validation metrics; with trainer.validation_data_dir every generation is written to
+        `<dir>/<step>.jsonl`, and trainer.log_val_generations of them are logged with the metrics
+        (utils/val_generations.py)."""
+        from verl_arpo.utils.val_generations import dump_validation, pick_samples, validation_records
+
         if self.val_dataset is None or self.val_reward_fn is None:
             return {}
+        t = self.config.trainer
         n_val = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
         size = self.config.data.val_batch_size or len(self.val_dataset)
-        sources, uids, scores = [], [], []
+        sources, uids, scores, records = [], [], [], []
         for start in range(0, len(self.val_dataset), int(size)):
             batch = self._collate(self.val_dataset, range(start, min(start + int(size), len(self.val_dataset))))
             batch.non_tensor_batch.setdefault("data_source", as_object_array(["unknown"] * len(batch)))
@@ -349,6 +362,11 @@ class RayPPOTrainer:
             sources += list(batch.non_tensor_batch["data_source"])
             uids += list(batch.non_tensor_batch["uid"])
             scores += batch.batch["token_level_scores"].sum(-1).tolist()
+            if t.validation_data_dir or t.log_val_generations:
+                records += validation_records(batch, self.tokenizer, step)
+        if t.validation_data_dir:
+            dump_validation(records, t.validation_data_dir, step)
+        self._val_samples = pick_samples(records, int(t.log_val_generations))
         return validation_metrics(sources, uids, scores, n=n_val)
 
     # ------------------------------------------------------------------ checkpoints
@@ -468,12 +486,12 @@ class RayPPOTrainer:
                 if self.val_reward_fn is None or self.val_dataset is None:
                     raise ValueError("trainer.val_only=true needs data.val_files")
                 last_metrics = self._guard(self.validate, start)
-                tracker.log(last_metrics, step=start)
+                self._log(tracker, last_metrics, start)
                 tracker.finish()
                 return last_metrics
             if start == 0 and cfg.val_before_train and self.val_reward_fn is not None:
                 last_metrics = self._guard(self.validate, 0)
-                tracker.log(last_metrics, step=0)
+                self._log(tracker, last_metrics, 0)
             save_freq, test_freq = int(cfg.save_freq), int(cfg.test_freq)
             if save_freq <= 0:
                 logger.warning("trainer.save_freq=%d: no checkpoint will be written (verl's meaning; a "
@@ -491,7 +509,7 @@ class RayPPOTrainer:
                     self._guard(self.save_checkpoint, step)
                 metrics["training/global_step"] = step
                 metrics["training/epoch"] = (step - 1) // self.steps_per_epoch
-                tracker.log(metrics, step=step)
+                self._log(tracker, metrics, step)
                 last_metrics = metrics
                 if preempt.requested and not last:
                     preempt.done()
