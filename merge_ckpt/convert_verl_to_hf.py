@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script from the repository root: make 
 import torch  # noqa: E402
 
 from verl_arpo.utils import checkpoint as ck  # noqa: E402
+from verl_arpo.utils.checkpoint_safe_load import UnsafeCheckpointError  # noqa: E402
 from verl_arpo.utils.checkpoint import (  # noqa: E402
     load_model_state_offline,
     read_checkpoint_meta,
@@ -77,6 +78,23 @@ def resolve_component_dir(path: str, component: str = "actor") -> str:
         return os.path.join(latest, component)
     raise FileNotFoundError(f"{path} holds neither {ck.META_FILE} nor a complete '{component}/' "
                             f"checkpoint (contents: {sorted(os.listdir(path))})")
+
+
+def verify_before_reading(actor_dir: str) -> None:
+    """Check the step's CRC-32 manifest (its completeness marker) before any file is read: a damaged
+    checkpoint must not merge, with exit 0, into a silently wrong model. A component folder saved
+    outside the trainer has no marker; it is read with a warning (its files are still read as data)."""
+    from verl_arpo.utils.checkpoint_integrity import verify_checkpoint
+
+    step_dir = os.path.dirname(os.path.abspath(actor_dir))
+    if not os.path.isfile(os.path.join(step_dir, ck.COMPLETE_MARKER)):
+        print(f"warning: {step_dir} has no {ck.COMPLETE_MARKER}: its files cannot be verified", file=sys.stderr)
+        return
+    problems = verify_checkpoint(step_dir, ck.COMPLETE_MARKER)
+    if problems:
+        raise MergeError(f"{step_dir} is damaged ({'; '.join(problems[:5])}"
+                         f"{f'; and {len(problems) - 5} more' if len(problems) > 5 else ''}): convert an intact "
+                         "checkpoint (the previous global_step_N), or restore this one from a copy")
 
 
 def _load_config(hf_dir: str, trust_remote_code: bool):
@@ -149,6 +167,7 @@ def build_hf_state_dict(checkpoint: str, *, component: str = "actor", model_type
     to `dtype` ("auto": the config's dtype).
     """
     actor_dir = resolve_component_dir(checkpoint, component)
+    verify_before_reading(actor_dir)
     meta = read_checkpoint_meta(actor_dir)
     hf_dir = os.path.join(actor_dir, "huggingface")
     config = _load_config(hf_dir, trust_remote_code)
@@ -179,6 +198,7 @@ def merge_checkpoint(checkpoint: str, output_dir: str, *, component: str = "acto
     """Write the HF folder (or, with `lora="adapter"`, the peft adapter folder); return its path."""
     os.makedirs(output_dir, exist_ok=True)
     actor_dir = resolve_component_dir(checkpoint, component)
+    verify_before_reading(actor_dir)
     meta = read_checkpoint_meta(actor_dir)
     if lora == "adapter":
         if not meta.get("lora"):
@@ -335,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Wrote {path}")
         if test_dir:
             return run_test(checkpoint, test_dir, atol=args.atol, **build)
-    except (MergeError, FileNotFoundError) as e:
+    except (MergeError, FileNotFoundError, UnsafeCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -200,3 +200,91 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_not_run(runs, tiny_model_di
             model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
             ck.FSDPCheckpointManager(model, torch.optim.AdamW(model.parameters())).load_checkpoint(str(copy / "actor"))
     assert not marker.exists()
+
+
+class _Opens:
+    """A payload that needs no shell: unpickling it creates the marker file (builtins.open)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(step_dir: Path, victim: str, marker: Path) -> Path:
+    target = step_dir / victim
+    assert target.exists(), sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*"))
+    if victim.endswith(".metadata"):
+        target.write_bytes(__import__("pickle").dumps(_Opens(marker)))
+    else:
+        torch.save({"rng": _Opens(marker), "global_step": _Opens(marker)}, target)
+    return target
+
+
+def _load_with(loader: str, step_dir: Path, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    if loader == "resume":
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        ck.FSDPCheckpointManager(model, torch.optim.AdamW(model.parameters())).load_checkpoint(str(step_dir / "actor"))
+    elif loader == "offline":
+        ck.load_model_state_offline(str(step_dir / "actor"))
+    elif loader == "data":
+        ck.load_dataloader_state(str(step_dir))
+
+
+LOADERS = {"actor/model/.metadata": ["resume", "offline", "merge"], "actor/optim/.metadata": ["resume"],
+           "actor/extra_state_rank_0.pt": ["resume"], "data.pt": ["data"]}
+
+
+@pytest.mark.parametrize("victim,loader", [(v, lo) for v, los in LOADERS.items() for lo in los])
+def test_a_payload_in_any_checkpoint_file_never_runs_in_any_loader(runs, tiny_model_dir, tmp_path, capsys, victim,
+                                                                   loader):
+    """[issue 34, item 1] DCP's `.metadata` is read by a restricted unpickler and its non-tensor entries
+    with weights_only (torch 2.13 uses plain pickle for both). Each file of a checkpoint, one at a
+    time, through each loader that reads it: the payload never runs, and the error names the file.
+    The merge tool checks the manifest first; with the marker gone it still refuses the file."""
+    copy = tmp_path / "global_step_1"
+    shutil.copytree(os.path.join(runs["root"], "global_step_1"), copy)
+    marker = tmp_path / "payload_ran"
+    target = _plant(copy, victim, marker)
+    if loader == "merge":
+        assert conv.main(["--verl_checkpoint", str(copy), "--output_dir", str(tmp_path / "hf")]) == 2
+        assert "is damaged" in capsys.readouterr().err and not marker.exists()
+        (copy / ck.COMPLETE_MARKER).unlink()   # no manifest to check: the file itself must be refused
+        assert conv.main(["--verl_checkpoint", str(copy), "--output_dir", str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert str(target) in err and "refused to load" in err
+    else:
+        with pytest.raises(Exception) as info:
+            _load_with(loader, copy, tiny_model_dir, tmp_path)
+        assert str(target) in str(info.value) and "refused to load" in str(info.value), info.value
+    assert not marker.exists()
+
+
+def test_a_payload_in_a_dcp_bytes_entry_never_runs(tmp_path):
+    """A DCP folder whose non-tensor entry (as optimizer param groups are stored) is a pickled
+    payload: torch's own dcp.load runs it; ours refuses it, naming the .distcp file and the entry."""
+    import torch.distributed.checkpoint as dcp
+
+    from verl_arpo.utils.checkpoint_safe_load import UnsafeCheckpointError, safe_dcp_load
+
+    marker = tmp_path / "payload_ran"
+    folder = tmp_path / "optim"
+    dcp.save({"w": torch.ones(2), "param_groups": [{"lr": 0.1, "evil": _Opens(marker)}]}, checkpoint_id=str(folder),
+             no_dist=True)
+    assert not marker.exists()
+    state = {"w": torch.zeros(2), "param_groups": [{"lr": 0.0, "evil": None}]}   # DCP flattens nested entries
+    with pytest.raises(UnsafeCheckpointError, match=r"__0_0\.distcp: refused to load entry 'param_groups\.0\.evil'"):
+        safe_dcp_load(state, str(folder), no_dist=True)
+    assert not marker.exists()
+    dcp.load({"w": torch.zeros(2), "param_groups": [{"lr": 0.0, "evil": None}]}, checkpoint_id=str(folder), no_dist=True)
+    assert marker.exists()   # the payload is live: torch's default planner unpickles it
+    marker.unlink()
+    # plain data in a bytes entry still loads
+    dcp.save({"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "name": None}]}, checkpoint_id=str(tmp_path / "ok"),
+             no_dist=True)
+    ok = {"param_groups": [{"lr": 0.0, "betas": None, "name": "x"}]}
+    safe_dcp_load(ok, str(tmp_path / "ok"), no_dist=True)
+    assert ok["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "name": None}]

@@ -54,7 +54,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from verl_arpo.utils.checkpoint_integrity import build_manifest, find_intact_checkpoint, safe_torch_load
+from verl_arpo.utils.checkpoint_integrity import build_manifest, find_intact_checkpoint
+from verl_arpo.utils.checkpoint_safe_load import SafeFileSystemReader, safe_dcp_load, safe_torch_load
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -548,7 +549,7 @@ class FSDPCheckpointManager:
         sds = dict(self._dcp_state_dicts())
         with _quiet_single_process():
             for sub, sd in sds.items():
-                dcp.load(sd, checkpoint_id=os.path.join(local_path, sub), no_dist=not _dist_on())
+                safe_dcp_load(sd, os.path.join(local_path, sub), no_dist=not _dist_on())
         if "optim" in sds:
             model_sd = sds.get("model") or get_model_state_dict(self.model)
             set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
@@ -598,16 +599,16 @@ def load_model_state_offline(actor_dir: str, keys: Iterable[str] | None = None) 
     """Read the full (unsharded) model state dict of a manager directory in this one process.
 
     No process group is needed and any number of saved shards is fine: the tensors are allocated
-    from the DCP metadata and filled by `dcp.load(..., no_dist=True)`. Memory: the whole model.
+    from the DCP metadata and filled by `safe_dcp_load` (nothing in the folder can run code).
+    Memory: the whole model.
     """
     model_dir = os.path.join(actor_dir, "model")
-    reader = dcp.FileSystemReader(model_dir)
-    metadata = reader.read_metadata()
+    metadata = SafeFileSystemReader(model_dir).read_metadata()
     wanted = set(keys) if keys is not None else None
     state = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata) and (wanted is None or key in wanted):
             state[key] = torch.empty(md.size, dtype=md.properties.dtype)
     with _quiet_single_process():
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        safe_dcp_load(state, model_dir, no_dist=True)
     return state

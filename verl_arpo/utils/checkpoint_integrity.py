@@ -12,11 +12,10 @@
   algorithm (advantage estimator, losses, branching). It is saved with every checkpoint;
   `fingerprint_differences` lists what changed, and the trainer refuses to resume across a change
   unless `trainer.force_resume=true` (docs/configuration.md, section `trainer`).
-- **Loading.** `safe_torch_load` is `torch.load(weights_only=True)`: a pickle planted in a
-  checkpoint directory is refused, never run.
+- **Loading** never runs code from a checkpoint: checkpoint_safe_load.py.
 
 CRC-32 (zlib) detects accidental corruption at several GB/s; it is not a defence against an
-attacker who can write the directory (`weights_only=True` loading is: a planted file is data).
+attacker who can write the directory (safe loading is: a planted file is data).
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -114,20 +111,6 @@ def find_intact_checkpoint(checkpoints: list[tuple[int, str]], marker_name: str)
         logger.warning("checkpoint %s is damaged (%s); falling back to the previous complete checkpoint",
                        path, "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
     return None
-
-
-def safe_torch_load(path: str) -> Any:
-    """torch.load that cannot run code: `weights_only=True` (tensors, numbers, strings, containers),
-    plus numpy's array reconstruction so that checkpoints written before RNG states were stored as
-    tensors still load. A file planted in a checkpoint directory by model-written code is data at
-    worst, never a program (docs/tools.md, "Python sandbox")."""
-    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    try:
-        allowed.append(np._core.multiarray._reconstruct)  # numpy >= 2
-    except AttributeError:
-        allowed.append(np.core.multiarray._reconstruct)
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, weights_only=True, map_location="cpu")
 
 
 # ------------------------------------------------------------------------------------------ lock
