@@ -334,6 +334,7 @@ def check_memory_estimate(cmd: Command, args: list[str], tmp: Path) -> None:
 
 
 MODULE_CHECKS = {
+    "merge_ckpt.convert_verl_to_hf": lambda cmd, args, tmp: check_convert(cmd, args, tmp),
     "verl_arpo.utils.memory_estimate": check_memory_estimate,
     "verl_arpo.trainer.main_ppo": check_main_ppo,
     "verl_arpo.trainer.main_eval": check_main_eval,

@@ -142,3 +142,13 @@ def test_not_implemented_keys_reject_a_non_default_value():
     assert jc.not_implemented_problems(jc.JobConfig()) == []
     for key in jc.NOT_IMPLEMENTED:  # every listed key exists
         _get(jc.JobConfig(), key)
+
+
+def test_the_yaml_comment_of_every_refused_key_says_so():
+    """[issue 33, item 4] A key validation refuses is described as refused in the YAML (and so in
+    docs/configuration.md), never as working."""
+    lines = (ROOT / "configs" / "ppo_trainer.yaml").read_text().splitlines()
+    for key in jc.NOT_IMPLEMENTED:
+        leaf = key.rsplit(".", 1)[-1]
+        comments = [line.split("#", 1)[1] for line in lines if re.match(rf"\s*{leaf}:", line) and "#" in line]
+        assert comments and any("refused" in c and "not implemented" in c for c in comments), (key, comments)
