@@ -207,3 +207,44 @@ def test_a_finished_run_says_so_instead_of_finishing_silently(finished_run, tool
                        env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "is already complete (step 2 >= total_training_steps=2): nothing to train" in r.stdout
+
+
+def test_the_fingerprint_sees_a_same_size_change_anywhere_in_a_weight_file(tmp_path):
+    """[issue 34, item 4] Only the first MiB of each weight file was hashed: a same-size fine-tune with
+    frozen embeddings, swapped into the folder, resumed silently. Whole files count now; a fingerprint
+    written before (no crc32) still compares equal to an unchanged model."""
+    from verl_arpo.utils.checkpoint_integrity import fingerprint_differences, run_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = bytearray(range(256)) * (3 * 4096 * 4)   # 12 MiB
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    (model / "config.json").write_text("{}")
+    config = {"actor_rollout_ref": {"model": {"path": str(model)}}, "data": {"train_files": []}}
+    before = run_fingerprint(config)
+    weights[8 << 20] ^= 0xFF          # one byte at 8 MiB, past the old 1 MiB head; same size
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    after = run_fingerprint(config)
+    assert before["model"]["weights"][0]["size"] == after["model"]["weights"][0]["size"]
+    assert before["model"]["weights"][0]["head"] == after["model"]["weights"][0]["head"]
+    assert [d for d in fingerprint_differences(before, after) if d.startswith("model:")]
+    older = json.loads(json.dumps(after))
+    for record in older["model"]["weights"]:
+        record.pop("crc32")
+    assert fingerprint_differences(older, after) == []
+
+
+def test_a_resume_path_without_its_completeness_marker_is_refused(finished_run, tool_model_dir, toy_data, tmp_path):
+    """[issue 34, item 4] A resume_path without checkpoint_complete.json (a save cut short) loaded
+    unverified; it is refused now, naming the marker, and nothing trains."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "global_step_2" / "checkpoint_complete.json").unlink()
+    r = subprocess.run(_cmd(tool_model_dir, toy_data, run, "trainer.total_training_steps=3",
+                            "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'global_step_2'}"),
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0
+    assert "has no checkpoint_complete.json" in r.stdout + r.stderr
+    assert not (run / "global_step_3").exists()

@@ -8,7 +8,7 @@
   driver's lifetime: a second run on the same directory stops at start-up, naming the holder,
   instead of deleting the first run's staging directories and checkpoints.
 - **Fingerprint.** `run_fingerprint(config)` summarises what makes two runs the same run: the model
-  (path, config and the head of every weight file), the training data (path, size, head) and the
+  (path, config, and the size and CRC-32 of every whole weight file), the training data (path, size, head) and the
   algorithm (advantage estimator, losses, branching). It is saved with every checkpoint;
   `fingerprint_differences` lists what changed, and the trainer refuses to resume across a change
   unless `trainer.force_resume=true` (docs/configuration.md, section `trainer`).
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 FINGERPRINT_FILE = "run_fingerprint.json"
 LOCK_FILE = ".run.lock"
 _BLOCK = 8 << 20
-_HEAD = 1 << 20  # bytes of each weight / data file that enter the fingerprint
+_HEAD = 1 << 20  # bytes of a file's head digest (kept beside the whole-file CRC-32 for older checkpoints)
 
 # what makes a run "the same run" besides model and data (JobConfig paths)
 ALGORITHM_KEYS = (
@@ -168,10 +168,28 @@ def _describe_files(paths: Iterable[str]) -> list[dict[str, Any]]:
     for p in paths:
         p = os.path.abspath(os.path.expanduser(str(p)))
         try:
-            out.append({"path": p, "size": os.path.getsize(p), "head": _head_digest(p)})
+            # the whole file (CRC-32 at GB/s): a same-size change anywhere (a fine-tune with frozen
+            # embeddings swapped into the folder) is a different run; "head" keeps older checkpoints comparable
+            out.append({"path": p, "size": os.path.getsize(p), "head": _head_digest(p), "crc32": file_crc32(p)})
         except OSError:
-            out.append({"path": p, "size": None, "head": None})
+            out.append({"path": p, "size": None, "head": None, "crc32": None})
     return out
+
+
+def _same_files(saved: Any, current: Any) -> bool:
+    """File lists equal on the fields both records have (a checkpoint from before whole-file CRCs
+    compares on path, size and head only)."""
+    if not isinstance(saved, list) or not isinstance(current, list) or len(saved) != len(current):
+        return saved == current
+    return all(isinstance(a, dict) and isinstance(b, dict) and all(a[k] == b[k] for k in set(a) & set(b))
+               for a, b in zip(saved, current))
+
+
+def _same_section(saved: Any, current: Any) -> bool:
+    if isinstance(saved, dict) and isinstance(current, dict) and set(saved) == set(current):
+        return all(_same_files(saved[k], current[k]) if isinstance(saved[k], list) else saved[k] == current[k]
+                   for k in saved)
+    return _same_files(saved, current)
 
 
 def _raw(config: Any, dotted: str) -> Any:
@@ -208,7 +226,7 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> l
     """Human-readable differences between two fingerprints ([] = the same run)."""
     diffs = []
     for section in ("model", "data"):
-        if saved.get(section) != current.get(section):
+        if not _same_section(saved.get(section), current.get(section)):
             diffs.append(f"{section}: was {json.dumps(saved.get(section))[:300]}, now "
                          f"{json.dumps(current.get(section))[:300]}")
     old, new = saved.get("algorithm", {}), current.get("algorithm", {})
