@@ -95,3 +95,21 @@ def test_custom_corpus(tmp_path):
         {"id": "b", "title": "Rivers", "text": "Rivers flow to the sea."}]) + "\n")
     tool = LocalSearchTool(corpus_path=str(path), max_results=5, api_key="ignored", zone="ignored")
     assert tool.execute("where do rivers flow") == "Page 1: Rivers: Rivers flow to the sea."
+
+
+def test_the_references_bing_cache_never_answers_for_bm25(tmp_path, gen, caplog):
+    """[issue 34, item 5] ppo_trainer_dr.yaml suggests swapping the class path to this tool while
+    keeping the reference's search_cache.json: its Bing answers were imported into whichever tool
+    opened it, so BM25 served Bing's pages. Now only the Bing tool imports it; BM25 answers from its
+    corpus, and the log says why the file was left alone."""
+    import logging
+
+    entity = gen.fictional_facts(0)[0]["entity"]
+    (tmp_path / "search_cache.json").write_text(json.dumps({entity: "Page 1: an answer from Bing"}))
+    plain = LocalSearchTool(max_results=1).execute(entity)
+    with caplog.at_level(logging.INFO, logger="verl_arpo"):
+        tool = LocalSearchTool(cache_file=str(tmp_path / "search_cache.json"), max_results=1)
+    answer = tool.execute(entity)
+    tool.close()
+    assert answer == plain and "Bing" not in answer
+    assert "not importing" in caplog.text and "Bing tool's answers" in caplog.text

@@ -129,7 +129,7 @@ def test_reference_json_import_export_roundtrip(tmp_path):
     json_file.write_text(json.dumps(ref, ensure_ascii=False), encoding="utf-8")
     assert db_path_for(json_file) == (tmp_path / "search_cache.sqlite", json_file)
 
-    c = SearchCache(json_file)  # a .json cache_file: sibling .sqlite, JSON imported
+    c = SearchCache(json_file, reference_json=True)  # a .json cache_file: sibling .sqlite, JSON imported
     assert c.path == tmp_path / "search_cache.sqlite"
     assert dict(c.items()) == ref
     c.put("new query", "Page 1: new")
@@ -139,11 +139,11 @@ def test_reference_json_import_export_roundtrip(tmp_path):
     assert json.loads(out.read_text(encoding="utf-8")) == dict(ref, **{"new query": "Page 1: new"})
 
     # importing again (file unchanged) is skipped; a changed JSON adds its new keys only
-    c = SearchCache(json_file)
+    c = SearchCache(json_file, reference_json=True)
     c.put("capital of France", "Page 1: kept")
     c.close()
     json_file.write_text(json.dumps(dict(ref, extra="Page 1: extra")), encoding="utf-8")
-    c = SearchCache(json_file)
+    c = SearchCache(json_file, reference_json=True)
     assert c.get("extra") == "Page 1: extra" and c.get("capital of France") == "Page 1: kept"
     c.close()
 
@@ -151,7 +151,7 @@ def test_reference_json_import_export_roundtrip(tmp_path):
 def test_broken_reference_json_does_not_stop_startup(tmp_path, caplog):
     bad = tmp_path / "search_cache.json"
     bad.write_text("{truncated", encoding="utf-8")
-    c = SearchCache(bad)
+    c = SearchCache(bad, reference_json=True)
     assert len(c) == 0 and "could not import" in caplog.text
     c.close()
 

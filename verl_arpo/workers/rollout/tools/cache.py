@@ -20,7 +20,10 @@ Here the cache is one SQLite table in WAL mode:
 - SQLite WAL needs a local filesystem (not NFS) because it uses shared memory between processes.
 
 Compatibility: a ``cache_file`` ending in ``.json`` means "the reference's file": we use a
-sibling ``.sqlite`` database and import the JSON into it (again only if the JSON file changed).
+sibling ``.sqlite`` database, and a tool that answers as the reference's Bing tool did
+(``reference_json=True``: BingSearchTool) imports the JSON into its namespace (again only if the
+JSON file changed). Any other tool (the local BM25 search) leaves it alone and says so in the log:
+the reference's file holds Bing's answers, which are not that tool's.
 ``export_json`` writes the reference's format back (atomically), and
 ``python -m verl_arpo.workers.rollout.tools.cache export|import|stats`` does it from the shell.
 
@@ -81,7 +84,8 @@ def _rollback(conn: sqlite3.Connection) -> None:
 class SearchCache:
     """Query -> formatted result store. Thread-safe; safe to use from many processes at once."""
 
-    def __init__(self, cache_file: str | Path, async_write: bool = False, namespace: str = ""):
+    def __init__(self, cache_file: str | Path, async_write: bool = False, namespace: str = "",
+                 reference_json: bool = False):
         self.path, json_file = db_path_for(cache_file)
         self.namespace = str(namespace)
         self._prefix = f"{self.namespace}\x1f" if self.namespace else ""
@@ -99,7 +103,12 @@ class SearchCache:
             self._set_aside(exc)
             self._create_schema()
         if json_file is not None and json_file.exists():
-            self._import_once(json_file)
+            if reference_json:
+                self._import_once(json_file)
+            else:
+                logger.info("search cache: not importing %s into namespace %r: the reference's JSON holds its Bing "
+                            "tool's answers, not this tool's; this tool's entries go to %s", json_file,
+                            self.namespace, self.path)
         # flush queued writes at interpreter exit, without keeping the cache alive for that
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())

@@ -104,8 +104,9 @@ class BingSearchTool(BaseTool):
         self.request_timeout = float(request_timeout)
         self.http_retries = int(http_retries)
         self.retry_backoff = float(retry_backoff)
-        self.cache = (SearchCache(cache_file, async_write=async_cache_write, namespace=self.cache_namespace())
-                      if cache_file else None)
+        # the reference's search_cache.json holds this tool's (Bing's) answers: imported into its namespace
+        self.cache = (SearchCache(cache_file, async_write=async_cache_write, namespace=self.cache_namespace(),
+                                  reference_json=True) if cache_file else None)
         self._sessions = threading.local()  # requests.Session is not documented thread-safe
         if not self._api_key:
             logger.warning("BingSearchTool: no API key (set api_key or BRIGHTDATA_API_KEY); "
