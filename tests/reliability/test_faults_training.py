@@ -248,3 +248,34 @@ def test_a_resume_path_without_its_completeness_marker_is_refused(finished_run, 
     assert r.returncode != 0
     assert "has no checkpoint_complete.json" in r.stdout + r.stderr
     assert not (run / "global_step_3").exists()
+
+
+def test_a_second_run_is_refused_before_its_workers_start(tool_model_dir, toy_data, tmp_path):
+    """[issue 34, item 6] The run lock was taken in fit(), after every worker had loaded its model: a
+    second run on a directory in use spent its whole start-up before it was refused. It is taken
+    before the workers now (no worker ever reports its rank)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from verl_arpo.utils.checkpoint_integrity import RunDirLock\n"
+                               f"RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = subprocess.run(_cmd(tool_model_dir, toy_data, tmp_path), cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=600)
+    finally:
+        holder.kill()
+        holder.wait()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and f"another run is using trainer.default_local_dir={tmp_path}" in out
+    assert f"pid {holder.pid}" in out and "worker ranks on nodes" not in out
+
+
+def test_the_consecutive_skip_count_is_checkpointed(finished_run):
+    """[issue 34, item 6] The count that stops a run after max_consecutive_skipped_steps steps with
+    only non-finite gradients restarted at 0 on resume; it is saved with each step and restored."""
+    from verl_arpo.utils.checkpoint import load_dataloader_state
+
+    logged = _metrics(finished_run)
+    for step in (1, 2):
+        state = load_dataloader_state(str(finished_run / f"global_step_{step}"))
+        assert state["consecutive_skipped"] == logged[step]["training/consecutive_skipped_steps"]

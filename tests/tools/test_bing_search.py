@@ -170,3 +170,15 @@ def test_reference_json_cache_is_used(brightdata, tmp_path, async_write):
     rows = dict(sqlite3.connect(tmp_path / "search_cache.sqlite").execute("SELECT * FROM cache"))
     ns = tool.cache_namespace() + "\x1f"  # the reference's entries belong to the tool that imports them
     assert rows == {ns + "cached q": "Page 1: from json", ns + "new q": "Page 1: new"}
+
+
+def test_a_reply_that_echoes_the_key_reaches_neither_the_model_nor_the_cache(brightdata, tmp_path):
+    """[issue 34, item 6] A 200 reply whose snippet echoes the API key (a debug field, an error page
+    in disguise) was returned and cached in clear."""
+    tool = make(brightdata, tmp_path, api_key="sk-echoed-9911", cache_file=str(tmp_path / "c.sqlite"))
+    brightdata.respond((200, serp("your key sk-echoed-9911 is active; Authorization: Bearer tok-5150"), {}, 0))
+    answer = tool.execute("status")
+    tool.close()
+    assert "sk-echoed-9911" not in answer and "tok-5150" not in answer and answer.startswith("Page 1: your key ***")
+    stored = sqlite3.connect(tmp_path / "c.sqlite").execute("SELECT result FROM cache").fetchall()
+    assert stored and all("sk-echoed-9911" not in r and "tok-5150" not in r for (r,) in stored)

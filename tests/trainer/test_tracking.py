@@ -120,3 +120,27 @@ def test_no_backend_writes_a_secret(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "config.json").read_text())["actor_rollout_ref"]["rollout"]["tools"][
         "tool_instances"]["search"]["params"]["api_key"] == "***"
     assert SECRET not in out.getvalue()
+
+
+def test_wandb_settings_fail_closed():
+    """[issue 34, item 6] The fallback for an older wandb dropped every privacy field (fail open).
+    It keeps x_disable_meta, or refuses: checked against wandb's own Settings and against a settings
+    class of an API without that field."""
+    import wandb
+
+    from verl_arpo.utils.tracking import private_wandb_settings
+
+    assert private_wandb_settings(wandb.Settings).x_disable_meta is True
+
+    class WithoutCodeFields:   # an API that knows x_disable_meta but not disable_code / disable_git
+        def __init__(self, x_disable_meta, silent):
+            self.x_disable_meta, self.silent = x_disable_meta, silent
+
+    assert private_wandb_settings(WithoutCodeFields).x_disable_meta is True
+
+    class WithoutMeta:         # an API that cannot turn the host metadata off
+        def __init__(self, silent=False):
+            self.silent = silent
+
+    with pytest.raises(RuntimeError, match="cannot turn off its host metadata"):
+        private_wandb_settings(WithoutMeta)

@@ -211,6 +211,21 @@ class TensorboardBackend:
         self.writer.close()
 
 
+def private_wandb_settings(settings_cls):
+    """wandb settings that collect no code, git or host metadata (the host metadata records the
+    command line, where keys may be passed). Fails closed: a wandb that cannot turn the metadata off
+    is an error, never a run that uploads it."""
+    try:
+        return settings_cls(x_disable_meta=True, disable_code=True, disable_git=True, save_code=False, silent=True)
+    except Exception:  # noqa: BLE001 - an older wandb without one of the optional fields
+        pass
+    try:
+        return settings_cls(x_disable_meta=True, silent=True)
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError("this wandb cannot turn off its host metadata (which records the command line, where "
+                           "API keys may be passed): upgrade wandb, or use trainer.logger without wandb") from exc
+
+
 class WandbBackend:
     """A wandb run with files under `<log_dir>/wandb/`; honours WANDB_MODE (offline, disabled)."""
 
@@ -219,11 +234,7 @@ class WandbBackend:
         import wandb
 
         log_dir.mkdir(parents=True, exist_ok=True)
-        try:  # no code / git / host metadata: the latter records the command line
-            settings = wandb.Settings(x_disable_meta=True, disable_code=True, disable_git=True, save_code=False,
-                                      silent=True)
-        except Exception:  # older wandb without one of these fields
-            settings = wandb.Settings(silent=True)
+        settings = private_wandb_settings(wandb.Settings)
         # a resumed training run continues its wandb run: the id is stored in the checkpoint
         self.run = wandb.init(project=project_name, name=experiment_name, dir=str(log_dir), id=run_id,
                               resume="allow" if run_id else None,

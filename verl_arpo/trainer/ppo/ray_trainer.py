@@ -13,7 +13,6 @@ and published atomically, so a run killed at any moment resumes from the last co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from typing import Any
@@ -25,6 +24,7 @@ from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.trainer.ppo import core_algos
 from verl_arpo.utils.dataset.batch_order import epoch_order
 from verl_arpo.trainer.config import resolve_device
+from verl_arpo.trainer.ppo.trainer_checkpoints import TrainerCheckpoints
 from verl_arpo.utils.job_config import JobConfig
 from verl_arpo.trainer.ppo.metrics import (
     compute_data_metrics,
@@ -41,15 +41,6 @@ logger = logging.getLogger(__name__)
 _SUMMED = ("branches", "branch_draws", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
            "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses",
            "cache_write_errors", "cache_writes")
-
-
-def _write_fingerprint(step_dir: str, fingerprint: dict) -> None:
-    import json
-
-    from verl_arpo.utils.checkpoint_integrity import FINGERPRINT_FILE
-
-    with open(os.path.join(step_dir, FINGERPRINT_FILE), "w") as f:
-        json.dump(fingerprint, f, indent=1)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -111,7 +102,7 @@ def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, 
     return batch
 
 
-class RayPPOTrainer:
+class RayPPOTrainer(TrainerCheckpoints):
     """Owns the worker groups, the data order, tracking and checkpoints; `fit()` runs training."""
 
     def __init__(self, config, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
@@ -146,9 +137,11 @@ class RayPPOTrainer:
         self.wandb_run_id: str | None = None  # continued by a resumed run (stored in data.pt)
         self.last_checkpoint: str | None = None
         self._val_samples: list[dict] = []   # picked by validate, logged with its step's metrics
+        self._run_lock = None                 # the run directory's lock, from init_workers to shutdown
 
     # ------------------------------------------------------------------ workers
     def init_workers(self):
+        self._acquire_run_lock()
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl_arpo.utils.device import cuda_worker_env
         from verl_arpo.utils.secrets import secret_env_vars
@@ -187,7 +180,8 @@ class RayPPOTrainer:
             self.critic_wg.init_model(self.total_training_steps)
 
     def shutdown(self):
-        """Kill the worker actors and release the placement groups (a driver may train again)."""
+        """Kill the worker actors, release the placement groups (a driver may train again) and the run lock."""
+        self._release_run_lock()
         for name in ("critic_wg", "actor_rollout_wg"):
             wg = getattr(self, name, None)
             if wg is not None:
@@ -370,122 +364,14 @@ class RayPPOTrainer:
         self._val_samples = pick_samples(records, int(t.log_val_generations))
         return validation_metrics(sources, uids, scores, n=n_val)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _ckpt_root(self) -> str:
-        return os.path.abspath(self.config.trainer.default_local_dir)
-
-    def save_checkpoint(self, step: int) -> str:
-        from verl_arpo.utils.checkpoint import (abort_checkpoint, begin_checkpoint, cleanup_old_checkpoints,
-                                                publish_checkpoint, save_dataloader_state)
-
-        root = self._ckpt_root()
-        staging = begin_checkpoint(root, step)
-        try:
-            self.actor_rollout_wg.save_checkpoint(os.path.join(staging, "actor"), step)
-            if self.use_critic:
-                self.critic_wg.save_checkpoint(os.path.join(staging, "critic"), step)
-            # the data order is a pure function of (data.seed, step): the step is all we need
-            save_dataloader_state(staging, {"global_step": step, "kl_coef": self.kl_ctrl.value if self.kl_ctrl else None,
-                                            "wandb_run_id": self.wandb_run_id})
-            _write_fingerprint(staging, self.fingerprint)
-            path = publish_checkpoint(root, step, staging)
-        except BaseException:
-            abort_checkpoint(staging)  # the previous checkpoint stays the one resume uses
-            raise
-        keep = self.config.trainer.max_actor_ckpt_to_keep
-        cleanup_old_checkpoints(root, keep)
-        self.last_checkpoint = str(path)
-        return str(path)
-
-    def load_checkpoint(self) -> int:
-        """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
-        from verl_arpo.utils.checkpoint import (COMPLETE_MARKER, find_resumable_checkpoint, list_checkpoints,
-                                                load_dataloader_state)
-        from verl_arpo.utils.checkpoint_integrity import verify_checkpoint
-
-        mode = self.config.trainer.resume_mode
-        if mode == "disable":
-            return 0
-        if mode == "resume_path":
-            path = self.config.trainer.resume_from_path
-            if not path or not os.path.isdir(path):
-                raise ValueError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path to be a "
-                                 f"global_step_N folder, got {path!r}")
-        elif mode == "auto":
-            path = find_resumable_checkpoint(self._ckpt_root())
-            if path is None:
-                if list_checkpoints(self._ckpt_root()):
-                    raise ValueError(f"every checkpoint under {self._ckpt_root()} is damaged (see the warnings); "
-                                     "set trainer.resume_mode=disable to start over")
-                return 0
-        else:
-            raise ValueError(f"unknown trainer.resume_mode={mode!r}; accepted: auto, disable, resume_path")
-        if mode == "resume_path":
-            if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-                raise ValueError(f"trainer.resume_from_path={path} has no {COMPLETE_MARKER}: it was never fully "
-                                 "written (a save cut short) or is not a global_step_N folder; choose a complete one")
-            problems = verify_checkpoint(path, COMPLETE_MARKER)
-            if problems:  # the user chose this one: no fallback
-                raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}")
-        self._check_same_run(path)
-        state = load_dataloader_state(path) or {}
-        if "global_step" not in state:
-            raise ValueError(f"checkpoint {path} has no data.pt with the global step; it was not written by verl_arpo")
-        self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"))
-        if self.use_critic:
-            self.critic_wg.load_checkpoint(os.path.join(path, "critic"))
-        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
-            self.kl_ctrl.value = state["kl_coef"]
-        self.wandb_run_id = state.get("wandb_run_id")
-        self.last_checkpoint = str(path)
-        step = int(state["global_step"])
-        print(f"[verl_arpo] resumed from {path} (step {step})", flush=True)
-        if step >= self.total_training_steps:
-            print(f"[verl_arpo] the run in {self._ckpt_root()} is already complete (step {step} >= "
-                  f"total_training_steps={self.total_training_steps}): nothing to train. Raise "
-                  "trainer.total_training_steps to continue it, or use a new trainer.default_local_dir", flush=True)
-        return step
-
-    @functools.cached_property
-    def fingerprint(self) -> dict:
-        """This run's model, data and algorithm (checkpoint_integrity.run_fingerprint), computed once:
-        it reads every weight file whole (~2 s for the quickstart's 0.5 GB here)."""
-        from verl_arpo.utils.checkpoint_integrity import run_fingerprint
-
-        return run_fingerprint(self.config)
-
-    def _check_same_run(self, path: str) -> None:
-        """Refuse to resume a checkpoint of another model, data or algorithm (trainer.force_resume
-        overrides); checkpoints without a fingerprint (older versions) resume with a warning."""
-        import json
-
-        from verl_arpo.utils.checkpoint_integrity import FINGERPRINT_FILE, fingerprint_differences
-
-        saved_file = os.path.join(path, FINGERPRINT_FILE)
-        if not os.path.isfile(saved_file):
-            logger.warning("checkpoint %s has no %s: cannot tell whether it belongs to this run", path, FINGERPRINT_FILE)
-            return
-        with open(saved_file) as f:
-            diffs = fingerprint_differences(json.load(f), self.fingerprint)
-        if not diffs:
-            return
-        listed = "\n  ".join(diffs)
-        if self.config.trainer.force_resume:
-            logger.warning("resuming %s although the run changed (trainer.force_resume=true):\n  %s", path, listed)
-            return
-        raise ValueError(f"checkpoint {path} belongs to a different run:\n  {listed}\nUse a new "
-                         "trainer.default_local_dir for a new run, or set trainer.force_resume=true to continue "
-                         "this one with the changed settings")
-
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         from verl_arpo.trainer.config import mask_secrets
         from verl_arpo.trainer.ppo.preemption import Preempted, PreemptionGuard
-        from verl_arpo.utils.checkpoint_integrity import RunDirLock
         from verl_arpo.utils.tracking import Tracking, parse_logger
 
         cfg = self.config.trainer
-        with RunDirLock(self._ckpt_root()), PreemptionGuard(cfg.preemption_grace_s) as preempt:
+        with self._holding_run_lock(), PreemptionGuard(cfg.preemption_grace_s) as preempt:
             start = self.load_checkpoint()  # first: a resumed run continues its wandb run
             tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
                                default_backend=parse_logger(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),

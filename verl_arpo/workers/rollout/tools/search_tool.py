@@ -29,6 +29,7 @@ from urllib.parse import urlencode
 
 import requests
 
+from verl_arpo.utils.secrets import MASK, mask_text
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
 from verl_arpo.workers.rollout.tools.cache import SearchCache
 
@@ -141,7 +142,8 @@ class BingSearchTool(BaseTool):
         if organic is not None and not isinstance(organic, list):
             raise ToolError("search failed: malformed response (organic is not a list)", retryable=False)
         snippets = [o.get("description", "") for o in organic or [] if isinstance(o, dict)]
-        text = format_results(snippets, self.max_results, self.result_length)
+        # a reply that echoes the key (an error page, a debug field) must reach neither the model nor the cache
+        text = self._redact(format_results(snippets, self.max_results, self.result_length))
         # No `organic` key at all may be an error page in disguise, and an empty list may be a
         # transient outage answered with 200: answer, but do not remember either.
         if self.cache is not None and organic is not None and text != NO_RESULTS:
@@ -195,7 +197,8 @@ class BingSearchTool(BaseTool):
         return min(delay, 30.0)  # a server asking for minutes is treated as down
 
     def _redact(self, text: str) -> str:
-        return text.replace(self._api_key, "***") if self._api_key else text
+        """The key (from the YAML or the environment) and any credential-looking value (mask_text)."""
+        return mask_text(text.replace(self._api_key, MASK) if self._api_key else text)
 
     def metrics(self) -> dict[str, Any]:
         return self.cache.metrics() if self.cache is not None else {}
