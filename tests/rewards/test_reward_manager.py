@@ -314,6 +314,7 @@ def test_a_hung_scorer_ends_in_an_error_naming_the_sample(tiny_tokenizer, tmp_pa
     fn = load_custom_reward_function(str(path), "compute_score")
     data, _ = _mixed_batch(tiny_tokenizer, 12)
     serial = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=0, score_timeout=1.5)
+    serial(_mixed_batch(tiny_tokenizer, 3)[0])   # samples 0-2 score: the scoring process is up
     t0 = time.monotonic()
     with pytest.raises(RewardTimeoutError, match=r"score_timeout=1.5s: sample 5 \(data_source="):
         serial(data)
@@ -344,3 +345,69 @@ def test_a_hung_scorer_ends_in_an_error_naming_the_sample(tiny_tokenizer, tmp_pa
     # without a hang the limit changes nothing
     quick = NaiveRewardManager(tiny_tokenizer, num_workers=0, score_timeout=30)
     assert torch.equal(quick(data), NaiveRewardManager(tiny_tokenizer, num_workers=0)(data))
+
+
+STUCK_FILES = {   # scorers that hold the GIL in C code, so no Python thread or signal handler can run
+    "regex": '''
+import re
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 5:
+        re.match(r"(a+)+$", "a" * 64 + "b")   # catastrophic backtracking: years, in C, holding the GIL
+    return 1.0
+''',
+    "busy_c_loop_that_swallows": '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 5:
+        while True:
+            try:
+                sum(range(10 ** 12))          # a C loop; any timeout exception is swallowed and it goes on
+            except BaseException:
+                pass
+    return 1.0
+''',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STUCK_FILES))
+@pytest.mark.parametrize("path", ["serial_main_thread", "serial_other_thread", "pool", "main_eval"])
+def test_every_scoring_path_is_bounded_even_when_the_scorer_holds_the_gil(tiny_tokenizer, tmp_path, kind, path):
+    """[issue 34, item 3] The timeout watchdog was a Python thread: a scorer stuck in C code (a
+    backtracking regex on model text) kept the GIL and the run hung forever; main_eval had no limit.
+    Every path now scores in a killable process: each stops within its limit, naming the sample."""
+    import threading
+
+    from verl_arpo.trainer.main_eval import score_samples
+    from verl_arpo.utils.reward_manager import RewardTimeoutError
+
+    file = tmp_path / f"{kind}.py"
+    file.write_text(STUCK_FILES[kind])
+    fn = load_custom_reward_function(str(file), "compute_score")
+    data, _ = _mixed_batch(tiny_tokenizer, 12)
+    box = {}
+
+    def run():
+        try:
+            if path == "main_eval":
+                rows = [{"data_source": "arpo_toy_math", "ground_truth": "1", "extra_info": {"index": i},
+                         "question": "q"} for i in range(12)]
+                score_samples(rows, [[{"text": "x"}] for _ in rows], fn, 1.0, score_timeout=3)
+            else:
+                workers, threshold = (2, 4) if path == "pool" else (0, 256)
+                manager = NaiveRewardManager(tiny_tokenizer, compute_score=fn, num_workers=workers,
+                                             parallel_threshold=threshold, score_timeout=3)
+                try:
+                    manager(data)
+                finally:
+                    manager.close()
+        except RewardTimeoutError as exc:
+            box["error"] = str(exc)
+
+    if path == "serial_other_thread":
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive()
+    else:
+        run()
+    assert "score_timeout=3s" in box.get("error", ""), box
+    assert ("sample 5" in box["error"]) or path == "pool"   # the pool names the chunk holding it

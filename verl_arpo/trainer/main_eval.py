@@ -276,16 +276,33 @@ def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int,
 
 
 def score_samples(rows: list[dict], generations: list[list[dict]], reward_fn, threshold: float,
-                  judge: LLMJudge | None = None) -> None:
-    """Add score / rule_correct / judge / correct to every sample (in place)."""
+                  judge: LLMJudge | None = None, score_timeout: float | None = 600.0) -> None:
+    """Add score / rule_correct / judge / correct to every sample (in place).
+
+    Scoring runs in the reward manager's worker processes (utils/reward_manager.py): a scorer stuck
+    past `score_timeout` seconds, even in C code, is killed and the evaluation ends naming the
+    sample. A scorer's exception scores that sample 0; a NaN or infinite score too, counted."""
+    from verl_arpo.utils.reward_manager import NaiveRewardManager
+    from verl_arpo.utils.reward_score.custom import TolerantScore
+
+    pairs = [(row, s) for row, samples in zip(rows, generations) for s in samples]
+    items = [(i, row["data_source"], s["text"], row["ground_truth"], row["extra_info"]) for i, (row, s) in enumerate(pairs)]
+    manager = NaiveRewardManager(None, compute_score=TolerantScore(reward_fn), score_timeout=score_timeout)
+    try:
+        results = manager.score_all(items)
+    finally:
+        manager.close()
+    non_finite = 0
+    for (_, s), result in zip(pairs, results):
+        raw = result.get("score", 0.0) if isinstance(result, dict) else result
+        if not math.isfinite(float(raw)):
+            non_finite += 1
+            result = {"score": 0.0, "reason": "non-finite score"}
+        s["score"], s["rule_correct"], s["answer"] = rule_result(result, threshold)
+    if non_finite:
+        logger.warning("%d sample(s) scored NaN or infinite: counted as score 0", non_finite)
     for row, samples in zip(rows, generations):
         for s in samples:
-            try:
-                result = reward_fn(row["data_source"], s["text"], row["ground_truth"], row["extra_info"])
-            except Exception as exc:  # noqa: BLE001 - a scorer failing on one sample scores it 0
-                logger.warning("reward function failed on %s: %s", row["data_source"], exc)
-                result = {"score": 0.0, "reason": f"error: {type(exc).__name__}"}
-            s["score"], s["rule_correct"], s["answer"] = rule_result(result, threshold)
             s["judge"] = None
             if judge is not None and not s["rule_correct"]:
                 prediction = s["answer"] if s["answer"] is not None else s["text"][-500:]
@@ -385,7 +402,7 @@ def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
         if executor is not None:
             executor.close()
     seconds = time.time() - t0
-    score_samples(rows, generations, reward_fn, args.correct_threshold, judge)
+    score_samples(rows, generations, reward_fn, args.correct_threshold, judge, score_timeout=args.score_timeout)
     report = {"model": args.model, "data": args.data, "k": args.k, "engine": args.engine, "tools": args.tools,
               "sampling": {"greedy": args.k == 1, "temperature": None if args.k == 1 else args.temperature,
                            "top_p": None if args.k == 1 else args.top_p, "seed": args.seed,
@@ -432,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template, or a file with one (data.custom_chat_template)")
     p.add_argument("--reward_fn", default=None, help="path.py:function with verl's compute_score signature")
     p.add_argument("--correct_threshold", type=float, default=1.0, help="F1 (or score) counted as correct")
+    p.add_argument("--score_timeout", type=float, default=600.0,
+                   help="seconds the scoring may take (reward_model.score_timeout; 0 = no limit)")
     p.add_argument("--judge_url", default=None, help="OpenAI-compatible base URL of an LLM judge")
     p.add_argument("--judge_model", default="judge", help="model name sent to the judge")
     p.add_argument("--judge_api_key_env", default=None, help="environment variable holding the judge's API key")

@@ -22,10 +22,13 @@ other producers) every attended response token counts as sampled.
 `compute_score` may return a float or a dict with "score"; the other keys of dicts are gathered
 into `reward_extra_info[key]` (one entry per row, None where a row's dict lacks the key).
 
-Parallelism: batches with at least `parallel_threshold` rows are scored by a persistent
-`ProcessPoolExecutor` (`num_workers` processes, spawn start method by default: no fork of a
-process that holds torch / Ray threads), in contiguous chunks whose results are concatenated in
-order, so the output is identical to serial scoring. Workers import no torch (they run
+Parallelism: batches with at least `parallel_threshold` rows, and every batch when
+`score_timeout` is set (the default), are scored by a persistent `ProcessPoolExecutor`
+(`num_workers` processes, at least one; spawn start method by default: no fork of a process that
+holds torch / Ray threads), in contiguous chunks whose results are concatenated in order, so the
+output is identical to serial scoring. Under a timeout this is what bounds a scorer: a process
+stuck anywhere, even in C code holding the GIL (catastrophic regex backtracking), or one that
+swallows every exception, is killed; a thread could not be. Workers import no torch (they run
 `reward_score.custom.score_items`). A scorer that cannot be pickled (a lambda) is scored serially,
 with one warning. The math scorer's signal-based timeouts work in the workers' main threads.
 
@@ -33,8 +36,9 @@ Failures that must not stop or poison a run (docs/algorithms.md, "Rewards"):
 - a score that is NaN or ±inf counts as a failed scoring of that sample: it scores 0.0 and is
   counted in `reward/non_finite_scores` (a NaN would spread through its GRPO group into a NaN loss);
 - a scorer that hangs ends the run within `score_timeout` seconds (`reward_model.score_timeout`)
-  with a `RewardTimeoutError` naming the sample (serial) or the samples of the chunk (parallel)
-  still being scored; a stuck worker process is killed.
+  with a `RewardTimeoutError` naming the samples of the chunk still being scored; the stuck worker
+  processes are killed. A scorer that cannot be pickled (a lambda) runs in this process, bounded by
+  a signal watchdog that works only while the scorer runs Python code (a warning says so).
 
 Departures from verl: the decoded text also covers a trailing tool result (verl counts
 `attention_mask` only, which agrees when tool results have attention 1); the score goes on the
@@ -158,28 +162,32 @@ class NaiveRewardManager:
         self.mp_start_method = mp_start_method
         self.score_timeout = float(score_timeout) if score_timeout and float(score_timeout) > 0 else None
         self._pool: ProcessPoolExecutor | None = None
+        self._warm_pool: ProcessPoolExecutor | None = None   # the pool whose workers are started
         self._picklable: bool | None = None
         if unused:
             logger.info("NaiveRewardManager ignores arguments %s", sorted(unused))
 
     # -- pool ------------------------------------------------------------------------------------
     def _can_parallelize(self, n: int) -> bool:
-        if self.num_workers <= 1 or n < self.parallel_threshold:
+        """Score in the worker processes: a large batch, or any batch under a timeout (a process can be
+        killed; a thread stuck in C code, such as a backtracking regex, holds the GIL and cannot even
+        be signalled)."""
+        if self.score_timeout is None and (self.num_workers <= 1 or n < self.parallel_threshold):
             return False
         if self._picklable is None:
             try:
                 pickle.dumps(self.compute_score)
                 self._picklable = True
             except Exception as exc:
-                logger.warning("compute_score %r cannot be pickled (%s); scoring serially",
-                               self.compute_score, exc)
+                logger.warning("compute_score %r cannot be pickled (%s); scoring serially in this process, where "
+                           "reward_model.score_timeout cannot stop a scorer stuck in C code", self.compute_score, exc)
                 self._picklable = False
         return self._picklable
 
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             ctx = multiprocessing.get_context(self.mp_start_method)
-            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(max_workers=max(1, self.num_workers), mp_context=ctx)
         return self._pool
 
     def close(self) -> None:
@@ -197,20 +205,27 @@ class NaiveRewardManager:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_pool"] = None
+        state["_pool"] = state["_warm_pool"] = None
         return state
 
     # -- scoring -----------------------------------------------------------------------------------
     def score_all(self, items: list[tuple[int, Any, str, Any, Any]]) -> list[Any]:
         """Score (index, data_source, solution_str, ground_truth, extra_info) tuples, in order."""
-        deadline = time.monotonic() + self.score_timeout if self.score_timeout else None
+        if not items:
+            return []
         if not self._can_parallelize(len(items)):
+            deadline = time.monotonic() + self.score_timeout if self.score_timeout else None
             return self._score_serially(items, deadline)
-        n_chunks = min(len(items), self.num_workers * 4)
+        # a small batch (here because of the timeout) goes one sample per task, so that a timeout
+        # names the sample; a large one in contiguous chunks
+        small = len(items) < self.parallel_threshold
+        n_chunks = len(items) if small else min(len(items), max(1, self.num_workers) * 4)
         bounds = np.linspace(0, len(items), n_chunks + 1).astype(int)
         chunks = [items[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         try:
             pool = self._get_pool()
+            self._warm(pool)   # workers spawned and the scorer imported before the clock starts
+            deadline = time.monotonic() + self.score_timeout if self.score_timeout else None
             futures = [pool.submit(score_items, self.compute_score, chunk) for chunk in chunks]
             results = []
             for chunk, future in zip(chunks, futures):
@@ -219,15 +234,27 @@ class NaiveRewardManager:
                     results += future.result(timeout=left)
                 except FuturesTimeout:
                     self._kill_pool()
+                    which = (f"sample {chunk[0][0]} (data_source={chunk[0][1]!r}) was" if len(chunk) == 1 else
+                             f"samples {chunk[0][0]}..{chunk[-1][0]} (data sources "
+                             f"{sorted({str(c[1]) for c in chunk})}) were")
                     raise RewardTimeoutError(
                         f"reward scoring did not finish within reward_model.score_timeout={self.score_timeout:g}s: "
-                        f"samples {chunk[0][0]}..{chunk[-1][0]} (data sources {sorted({str(c[1]) for c in chunk})}) "
-                        "were still being scored; the scoring processes were killed") from None
+                        f"{which} still being scored; the scoring processes were killed") from None
             return results
         except BrokenProcessPool as exc:
             logger.warning("reward worker pool broke (%s); scoring this batch serially", exc)
             self._pool = None
             return self._score_serially(items, deadline)
+
+    def _warm(self, pool: ProcessPoolExecutor) -> None:
+        """Start every worker and unpickle the scorer in it once per pool (no timeout: start-up is
+        not scoring)."""
+        if self._warm_pool is pool:
+            return
+        workers = max(1, self.num_workers)
+        for future in [pool.submit(score_items, self.compute_score, []) for _ in range(workers)]:
+            future.result()
+        self._warm_pool = pool
 
     def _kill_pool(self) -> None:
         pool, self._pool = self._pool, None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import sys
 from typing import Any
@@ -106,3 +107,21 @@ def score_items(compute_score: Callable[..., Any], items: Iterable[tuple[int, An
                 exc.add_note(f"while scoring sample {index} (data_source={data_source!r})")
             raise
     return results
+
+
+class TolerantScore:
+    """A scorer for evaluation (main_eval): an exception scores that sample 0 with a warning, as a
+    failed scoring, instead of ending the evaluation. Picklable when the wrapped scorer is, so it
+    runs in the reward manager's killable worker processes."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, **kwargs: Any) -> Any:
+        try:
+            return self.fn(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - one failing sample must not end the evaluation
+            logging.getLogger("verl_arpo.eval").warning("reward function failed on %s: %s",
+                                                        kwargs.get("data_source"), exc)
+            return {"score": 0.0, "reason": f"error: {type(exc).__name__}"}
+
