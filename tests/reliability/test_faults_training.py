@@ -159,17 +159,23 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(finished_run
     assert "data.pt: 0 bytes, expected" in caplog.text
 
 
+def _lock_holder(directory) -> subprocess.Popen:
+    """Another process holding the run lock of `directory` (until it is killed)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from verl_arpo.utils.checkpoint_integrity import RunDirLock\n"
+                               f"RunDirLock({str(directory)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_one_directory_one_run(tmp_path):
     """A second run on a directory in use stops at once, naming the holder; the lock dies with
     its process (even SIGKILLed)."""
     from verl_arpo.utils.checkpoint_integrity import RunDirLock, RunDirLockedError
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from verl_arpo.utils.checkpoint_integrity import RunDirLock\n"
-                               f"RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirLockedError, match=rf"pid {holder.pid} on .*default_local_dir"):
             RunDirLock(str(tmp_path)).acquire()
     finally:
@@ -254,12 +260,8 @@ def test_a_second_run_is_refused_before_its_workers_start(tool_model_dir, toy_da
     """[issue 34, item 6] The run lock was taken in fit(), after every worker had loaded its model: a
     second run on a directory in use spent its whole start-up before it was refused. It is taken
     before the workers now (no worker ever reports its rank)."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from verl_arpo.utils.checkpoint_integrity import RunDirLock\n"
-                               f"RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(300)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
         r = subprocess.run(_cmd(tool_model_dir, toy_data, tmp_path), cwd=ROOT, env=_env(), capture_output=True,
                            text=True, timeout=600)
     finally:
