@@ -358,7 +358,7 @@ def main() -> int:
                 import vllm  # noqa: F401
             except ImportError:
                 for check in ("engine", "sync_memory", "throughput", "train"):
-                    row(f"{check}:vllm", "SKIP", "vllm is not installed (pip install -e .[vllm])")
+                    row(f"{check}:vllm", "SKIP", "vllm is not installed (pip install '.[vllm]')")
                 continue
         try:
             engine_rows(name, model_dir, device)
