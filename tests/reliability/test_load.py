@@ -108,7 +108,7 @@ cache_file, w, n, go, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sy
 print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.002)
-c = SearchCache(cache_file, async_write=mode == "async")  # opening (schema, WAL, JSON import) races too
+c = SearchCache(cache_file, async_write=mode == "async", reference_json=True)  # opening (schema, WAL, JSON import) races too
 rng, wrong = random.Random(w), []
 for j in range(n):
     c.put(f"w{w}-{j}", f"v{w}-{j}")
@@ -156,6 +156,6 @@ def test_eight_processes_write_and_read_one_cache_at_once(tmp_path):
                                                                     for j in range(n)}
     assert all(rows[f"shared-{i}"] == f"shared {i}" for i in range(40))
     assert sum(k.startswith("legacy-") for k in rows) == 100
-    c = SearchCache(legacy)  # reopens and imports nothing twice
+    c = SearchCache(legacy, reference_json=True)  # reopens and imports nothing twice
     assert len(c) == 8 * n + 40 + 100
     c.close()

@@ -198,7 +198,9 @@ class BingSearchTool(BaseTool):
 
     def _redact(self, text: str) -> str:
         """The key (from the YAML or the environment) and any credential-looking value (mask_text)."""
-        return mask_text(text.replace(self._api_key, MASK) if self._api_key else text)
+        # a key shorter than 8 characters is a placeholder, not a secret: replacing it would corrupt words
+        long_key = self._api_key and len(self._api_key) >= 8
+        return mask_text(text.replace(self._api_key, MASK) if long_key else text)
 
     def metrics(self) -> dict[str, Any]:
         return self.cache.metrics() if self.cache is not None else {}
