@@ -286,7 +286,8 @@ def score_samples(rows: list[dict], generations: list[list[dict]], reward_fn, th
     from verl_arpo.utils.reward_score.custom import TolerantScore
 
     pairs = [(row, s) for row, samples in zip(rows, generations) for s in samples]
-    items = [(i, row["data_source"], s["text"], row["ground_truth"], row["extra_info"]) for i, (row, s) in enumerate(pairs)]
+    items = [(i, row["data_source"], s["text"], row["ground_truth"], row["extra_info"])
+             for i, (row, s) in enumerate(pairs)]
     manager = NaiveRewardManager(None, compute_score=TolerantScore(reward_fn), score_timeout=score_timeout)
     try:
         results = manager.score_all(items)

@@ -26,7 +26,6 @@ def _write_fingerprint(step_dir: str, fingerprint: dict) -> None:
         json.dump(fingerprint, f, indent=1)
 
 
-
 class TrainerCheckpoints:
     """Lock, save, resume and fingerprint for `RayPPOTrainer` (see the module docstring)."""
 

@@ -222,7 +222,8 @@ class DataParallelPPOActor:
 
     def update_policy(self, data) -> dict[str, list | float]:
         """`ppo_epochs` passes of PPO over `data`; one optimizer step per mini-batch of
-        `update.mini_batch` rows (actor.ppo_mini_batch_size prompts × rollout.n ÷ ranks). Returns verl-named metrics (lists: one entry per mini-batch;
+        `update.mini_batch` rows (actor.ppo_mini_batch_size prompts × rollout.n ÷ ranks). Returns
+        verl-named metrics (lists: one entry per mini-batch;
         losses are the mini-batch objective terms — under DP each rank's share × dp_size, so the
         mean over ranks is the objective —, fractions/entropy are this rank's token means), and the
         update's counts: actor/optimizer_steps, actor/skipped_optimizer_steps (a non-finite gradient

@@ -50,7 +50,8 @@ class DataParallelPPOCritic:
     config: the typed `critic` section (`CriticConfig`, or a mapping of its keys; absent keys take
     the YAML defaults), its keys in the user's units; packing follows `model.use_remove_padding`.
     update, values: how this rank splits its share of an update and of the value pass (`Batching`,
-    from `JobConfig.derived.critic_update` / `.critic_values`). shuffle_seed seeds the mini-batch shuffle. device:
+    from `JobConfig.derived.critic_update` / `.critic_values`). shuffle_seed seeds the mini-batch
+    shuffle. device:
     where the forward runs (default: the module's); data comes and values go on the host, each
     micro-batch crossing to `device` just before its forward (`to_device`).
     """
