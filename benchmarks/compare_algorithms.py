@@ -206,6 +206,14 @@ class Store:
     def sft(self) -> dict:
         return json.loads((self.root / "sft.json").read_text())
 
+    def sft_if(self, sft_sha: str, precision: str) -> dict | None:
+        """The stored SFT record when it is this model at this precision, else None."""
+        f = self.root / "sft.json"
+        if not f.exists():
+            return None
+        held = json.loads(f.read_text())
+        return held if (held["sft_sha256"], held["precision"]) == (sft_sha, precision) else None
+
     def get(self, algo: str, pair: int) -> dict | None:
         f = self.root / f"{algo}_pair{pair}.json"
         return json.loads(f.read_text()) if f.exists() else None
@@ -242,19 +250,26 @@ class Experiment:
                        self.out / "logs" / "prepare.log", self.env)
         return base
 
-    def sft(self) -> tuple[Path, dict]:
-        """The one SFT model every run starts from, and its evaluation (both kept across calls)."""
+    def sft(self, store: "Store") -> tuple[Path, str, dict]:
+        """The one SFT model every run starts from, its sha256 and its evaluation record (all kept
+        across calls). A store that already holds this very model (same sha256 and precision) gives
+        its evaluation: a fresh clone retrains the SFT model (deterministic) but does not evaluate it again."""
         sft_dir, report = self.out / "sft_model", self.out / "eval_sft.json"
         if not (sft_dir / "config.json").exists():
             shutil.rmtree(sft_dir, ignore_errors=True)
             run_logged(sft_command(self.base_model(), sft_dir, self.sft_steps, precision=self.precision),
                        self.out / "logs" / "sft.log", self.env)
+        sha = weights_sha256(sft_dir)
+        held = store.sft_if(sha, self.precision)
+        if held is not None:
+            say(f"SFT model {sha[:12]} ({self.precision}) is the store's: its evaluation is reused")
+            return sft_dir, sha, held["eval"]
         if not report.exists():
             tmp = report.with_suffix(".tmp.json")
             run_logged(eval_command(sft_dir, eval_args(self.test_limit, self.precision), tmp),
                        self.out / "logs" / "eval_sft.log", self.env)
             os.replace(tmp, report)
-        return sft_dir, json.loads(report.read_text())
+        return sft_dir, sha, eval_record(json.loads(report.read_text()))
 
     def run(self, algo: str, pair: int, sft_dir: Path, store: Store, sft_sha: str) -> dict:
         """One RL run, merged and evaluated; result.json is its completion marker, and the store gets a copy."""
@@ -489,9 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
     exp = Experiment(a.out, a.rl_steps or (2 if a.smoke else 13), 2 if a.smoke else 12, 30 if a.smoke else None,
                      a.tiny, a.overrides, precision)
     meta["rl_steps"] = exp.rl_steps
-    sft_dir, sft_report = exp.sft()
-    sft_sha = weights_sha256(sft_dir)
-    store.bind(sft_sha, precision, eval_record(sft_report))
+    sft_dir, sft_sha, sft_eval = exp.sft(store)
+    store.bind(sft_sha, precision, sft_eval)
     for pair in range(a.pairs):
         for algo in algos:
             exp.run(algo, pair, sft_dir, store, sft_sha)

@@ -165,6 +165,8 @@ def test_the_store_holds_finished_runs_of_one_experiment_only(tmp_path):
     assert ca.complete_pairs(store.runs(), ("grpo", "arpo")) == []
     store.bind("a" * 64, "fp32", sft)  # the same experiment again: accepted, nothing rewritten
     assert store.sft()["eval"] == sft
+    assert store.sft_if("a" * 64, "fp32")["eval"] == sft  # a fresh clone's same SFT model: its evaluation reused
+    assert store.sft_if("b" * 64, "fp32") is None and store.sft_if("a" * 64, "bf16") is None
     for sha, precision in (("b" * 64, "fp32"), ("a" * 64, "bf16")):  # another SFT model, another precision
         with pytest.raises(SystemExit, match="holds the runs of another experiment"):
             store.bind(sha, precision, sft)
