@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from verl_arpo.utils.job_config import Batching, OptimConfig
+        from verl_arpo.utils.job_config import ActorConfig, Batching, OptimConfig
         from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
         from verl_arpo.workers.training_core import (build_adamw, fsdp_mixed_precision, init_sharded_model,
                                                      load_causal_lm, shard_fsdp2)
@@ -82,7 +82,7 @@ def child(spec: dict) -> dict:
         opt = build_adamw(model.parameters(), OptimConfig(lr=1e-6))
         update = Batching(micro_batch=len(data), use_dynamic_bsz=True, max_token_len=int(spec["micro_tokens"]),
                           mini_batch=len(data))   # one worker, one mini-batch of token-budget micro-batches
-        actor = DataParallelPPOActor(dict(grad_clip=1.0), model, opt, update=update,
+        actor = DataParallelPPOActor(ActorConfig(grad_clip=1.0), model, opt, update=update,
                                      use_remove_padding=bool(spec["packing"]), use_prefix_sharing=bool(spec["sharing"]))
 
         def step():

@@ -335,8 +335,7 @@ def _child_ours(spec_path: str, out_path: str) -> None:
     cfgs = []
     for spec in specs:
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-            cfgs.append(compose(config_name="cpu_tiny", overrides=ours_overrides(spec)))
-        validate_config(cfgs[-1])
+            cfgs.append(validate_config(compose(config_name="cpu_tiny", overrides=ours_overrides(spec))))
     t0 = time.perf_counter()
     import ray
 

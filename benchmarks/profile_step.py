@@ -64,7 +64,6 @@ def profile_ours(spec: dict, top: int) -> str:
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
-    from verl_arpo.utils.job_config import JobConfig
     from verl_arpo.utils.reward_manager import load_reward_manager
     from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
 
@@ -77,8 +76,7 @@ def profile_ours(spec: dict, top: int) -> str:
     root = Path(__file__).resolve().parents[1]
     with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
         cfg = compose(config_name="cpu_tiny", overrides=ours_overrides(dict(spec, workers=1)))
-    validate_config(cfg)
-    cfg = JobConfig.from_mapping(cfg)
+    cfg = validate_config(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     ds = RLHFDataset(cfg.data.train_files, tok, cfg.data)
     trainer = RayPPOTrainer(cfg, tok, ds, None, load_reward_manager(cfg, tok, num_examine=0), None)

@@ -187,7 +187,7 @@ python -m verl_arpo.trainer.main_ppo --config-name=cpu_tiny actor_rollout_ref.mo
 - `--cfg job` prints the composed config and runs nothing; a real run prints it (secrets masked)
   and validates it before Ray starts, naming every bad key at once.
 - An unknown key is an error naming it (the config is in struct mode, and the trainer builds the
-  typed config of `verl_arpo/utils/job_config.py` from it). Only the free-form maps take new keys
+  typed config of `verl_arpo/utils/job_config/` from it). Only the free-form maps take new keys
   with `+` (`++` sets a key whether or not it exists): tool `params`, `ray_init.runtime_env`,
   `model.override_config`, `custom_reward_function.reward_kwargs`.
 - `???` marks a required value, `${a.b}` copies another key, `null` is Python's None.
@@ -195,6 +195,30 @@ python -m verl_arpo.trainer.main_ppo --config-name=cpu_tiny actor_rollout_ref.mo
   scripts also works).
 - A tool registry YAML from `configs/tools/` merges over the rollout's tools as a group:
   `+tools@actor_rollout_ref.rollout=python_bing` (see [tools.md](tools.md)).
+
+### How a value is checked
+
+Right after Hydra composes, the tree becomes the typed `JobConfig`, one frozen dataclass per section
+(`verl_arpo/utils/job_config/`). Every value is checked against its field's type, then against the
+value rules of its section, then against the rules across sections (batch sizes against the worker
+count, token budgets against the lengths, the critic under `gae`); every problem is reported at once.
+
+| field type | accepted |
+|---|---|
+| integer | an integer, or a string of digits (what `${oc.env:VAR}` gives); not `true`, not `2.0` |
+| number | a number or a numeric string; not `true`, not `nan` |
+| boolean | `true`/`false`, or those words as strings |
+| string | a string; a number is taken as its text (`experiment_name=2024`) |
+| a choice | one of the values listed in its error (`unknown 'x'; accepted: [...]`) |
+| a section | a mapping; `null` gives every default |
+
+A required value left as `???` (or an interpolation to one) is reported by the rule that needs it;
+an interpolation that does not resolve is reported naming its key. A section with a type problem
+skips its value rules until the type is fixed, so one mistake gives one message.
+
+Adding a key: add it to the YAML (with its comment) and to its section's dataclass in
+`verl_arpo/utils/job_config/` (a rule on it goes in that section's `problems()`), then regenerate
+this page. Nothing else holds a default.
 
 Regenerate this page after changing a config, and check that it is current (the test suite does):
 

@@ -137,7 +137,7 @@ def test_aepo_clipping_same_forward_and_gradient_rule():
 
 def test_registered_policy_losses_read_config(batch):
     old, new, adv, mask = batch
-    cfg = {"clip_ratio": 0.2, "clip_ratio_low": 0.1, "clip_ratio_high": 0.3, "clip_ratio_c": 2.5}
+    cfg = ca.ActorConfig(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=2.5)
     got = ca.get_policy_loss_fn("vanilla")(old, new, adv, mask, "token-mean", cfg)
     want = _pg_reference(old, new, adv, mask, 0.1, 0.3, 2.5, "token-mean")
     assert got[0].item() == pytest.approx(want[0], rel=1e-5)
@@ -178,13 +178,15 @@ def test_value_loss_and_entropy_loss():
 
 
 def test_kl_controllers():
-    fixed = ca.get_kl_controller({"type": "fixed", "kl_coef": 0.1})
+    from verl_arpo.utils.job_config import KLCtrlConfig
+
+    fixed = ca.get_kl_controller(KLCtrlConfig(type="fixed", kl_coef=0.1))
     fixed.update(5.0, 10)
     assert fixed.value == 0.1
-    ad = ca.get_kl_controller({"type": "adaptive", "kl_coef": 0.1, "target_kl": 0.5, "horizon": 100})
+    ad = ca.get_kl_controller(KLCtrlConfig(type="adaptive", kl_coef=0.1, target_kl=0.5, horizon=100))
     ad.update(current_kl=1.0, n_steps=10)  # error clipped to 0.2 → ×1.02
     assert ad.value == pytest.approx(0.1 * 1.02)
     ad.update(current_kl=0.45, n_steps=10)  # error −0.1 → ×0.99
     assert ad.value == pytest.approx(0.1 * 1.02 * 0.99)
     with pytest.raises(ValueError, match="kl_ctrl.type"):
-        ca.get_kl_controller({"type": "pid"})
+        ca.get_kl_controller(KLCtrlConfig(type="pid"))

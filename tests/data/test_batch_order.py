@@ -69,16 +69,14 @@ def _trainer(model_dir, tok, overrides):
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset import RLHFDataset
-    from verl_arpo.utils.job_config import JobConfig
 
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):
         cfg = compose(config_name="cpu_tiny", overrides=[f"actor_rollout_ref.model.path={model_dir}",
                                                          "data.max_prompt_length=384", "data.val_files=null",
                                                          "trainer.logger=[]", *overrides])
-    validate_config(cfg)
-    data = JobConfig.from_mapping(cfg).data
-    return RayPPOTrainer(cfg, tok, RLHFDataset(data.train_files, tok, data), None, None, None)
+    job = validate_config(cfg)
+    return RayPPOTrainer(job, tok, RLHFDataset(job.data.train_files, tok, job.data), None, None, None)
 
 
 def test_the_trainer_draws_stratified_batches_of_the_bundled_task(tiny_model_dir, tiny_tokenizer):

@@ -29,9 +29,9 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose(config_name="cpu_tiny", overrides=overrides)
-    validate_config(cfg)
-    init_ray(cfg)
-    _, trainer = run_ppo(cfg, keep_workers=True)
+    job = validate_config(cfg)
+    init_ray(job)
+    _, trainer = run_ppo(job, keep_workers=True)
     try:
         infos = trainer.actor_rollout_wg.execute_all("get_node_info")
         for info in infos:

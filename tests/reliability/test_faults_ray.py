@@ -37,8 +37,10 @@ def _config(model_dir, data_dir, out_dir):
                  "trainer.total_training_steps=3", "trainer.save_freq=1",
                  "actor_rollout_ref.rollout.tools.call_limit=2",
                  f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={out_dir}/search.sqlite"]
+    from verl_arpo.trainer.config import validate_config
+
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        return compose(config_name="cpu_tiny", overrides=overrides)
+        return validate_config(compose(config_name="cpu_tiny", overrides=overrides))
 
 
 def _alive(pid):

@@ -243,16 +243,18 @@ def test_get_custom_reward_fn_from_config(tmp_path, tiny_tokenizer):
 
     path = tmp_path / "r2.py"
     path.write_text(CUSTOM_FILE)
-    assert get_custom_reward_fn({"custom_reward_function": {"path": None, "name": "x"}}) is None
-    assert get_custom_reward_fn({}) is None
-    cfg = OmegaConf.create({"custom_reward_function": {"path": str(path), "name": "compute_score",
+    from verl_arpo.utils.job_config import JobConfig
+
+    assert get_custom_reward_fn(JobConfig.from_mapping({"custom_reward_function": {"path": None, "name": "x"}})) is None
+    assert get_custom_reward_fn(JobConfig()) is None
+    cfg = JobConfig.from_mapping({"custom_reward_function": {"path": str(path), "name": "compute_score",
                                                        "reward_kwargs": {"bonus": 0.5}},
                             "reward_model": {"reward_manager": "naive"}})
     fn = get_custom_reward_fn(cfg)
     assert fn(data_source="x", solution_str="abcd", ground_truth="")["score"] == pytest.approx(0.54)
     manager = load_reward_manager(cfg, tiny_tokenizer, num_examine=0)
     assert isinstance(manager, NaiveRewardManager) and manager.compute_score.path == str(path)
-    bad = OmegaConf.create({"custom_reward_function": {"path": str(path), "name": "compute"}})
+    bad = JobConfig.from_mapping({"custom_reward_function": {"path": str(path), "name": "compute"}})
     with pytest.raises(AttributeError, match="compute"):
         get_custom_reward_fn(bad)
 

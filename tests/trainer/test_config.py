@@ -544,14 +544,17 @@ def test_init_ray_local_and_join(good, monkeypatch):  # a fake ray module: start
     monkeypatch.setitem(sys.modules, "ray", fake)
     cfg = compose("cpu_tiny", ["+ray_init.runtime_env.env_vars.MY_VAR=1",
                                "+ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM=true"])
-    assert main_ppo.init_ray(cfg) is True and main_ppo.init_ray(cfg) is False  # second call: already up
+    from verl_arpo.utils.job_config import JobConfig
+
+    job = JobConfig.from_mapping(cfg)
+    assert main_ppo.init_ray(job) is True and main_ppo.init_ray(job) is False  # second call: already up
     (kwargs,) = fake.calls
     assert kwargs["num_cpus"] == 2 and kwargs["include_dashboard"] is False
     assert kwargs["runtime_env"]["env_vars"] == {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "true",
                                                  "MY_VAR": "1"}
     fake = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)
-    main_ppo.init_ray(OmegaConf.merge(good, {"ray_init": {"address": "auto"}}))
+    main_ppo.init_ray(JobConfig.from_mapping(OmegaConf.merge(good, {"ray_init": {"address": "auto"}})))
     assert fake.calls[0]["address"] == "auto" and "num_cpus" not in fake.calls[0]
 
 

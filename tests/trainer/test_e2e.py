@@ -65,6 +65,13 @@ def _compose(overrides):
         return compose(config_name="cpu_tiny", overrides=overrides)
 
 
+def _typed(overrides):
+    """The typed config the trainer takes, built and checked once (as main_ppo does)."""
+    from verl_arpo.trainer.config import validate_config
+
+    return validate_config(_compose(overrides))
+
+
 def _jsonl(out_dir):
     with open(Path(out_dir) / "logs" / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -81,8 +88,7 @@ def test_two_steps_each_algorithm(algo, ray_local, tool_model_dir, toy_data, tmp
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
 
-    cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path, ALGOS[algo]))
-    validate_config(cfg)
+    cfg = validate_config(_compose(_overrides(tool_model_dir, toy_data, tmp_path, ALGOS[algo])))
     run_ppo(cfg)
     all_lines = _jsonl(tmp_path)
     lines = [m for m in all_lines if m["step"] > 0]
@@ -157,9 +163,9 @@ def test_merge_checkpoint_matches_trainer_model(ray_local, tool_model_dir, toy_d
     from verl_arpo.utils.torch_functional import logprobs_from_logits
 
     secret = "svc-E2E-0123456789"  # a credential for the workers, kept out of Ray's logged runtime_env
-    cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path / "run",
-                              ["trainer.total_training_steps=1", "trainer.save_freq=1",
-                               f"+ray_init.runtime_env.env_vars.E2E_SERVICE_TOKEN={secret}"]))
+    cfg = _typed(_overrides(tool_model_dir, toy_data, tmp_path / "run",
+                            ["trainer.total_training_steps=1", "trainer.save_freq=1",
+                             f"+ray_init.runtime_env.env_vars.E2E_SERVICE_TOKEN={secret}"]))
     _, trainer = run_ppo(cfg, keep_workers=True)
     try:
         import ray
@@ -202,9 +208,9 @@ def test_non_finite_updates_are_counted_and_stop_the_run(ray_local, tool_model_d
             batch.batch["advantages"] = torch.full_like(batch.batch["advantages"], float("nan"))
 
     monkeypatch.setattr(ray_trainer, "compute_advantage", poisoned)
-    cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path, ["trainer.total_training_steps=4",
-                                                                    "trainer.max_consecutive_skipped_steps=2",
-                                                                    "trainer.val_before_train=false"]))
+    cfg = _typed(_overrides(tool_model_dir, toy_data, tmp_path, ["trainer.total_training_steps=4",
+                                                                  "trainer.max_consecutive_skipped_steps=2",
+                                                                  "trainer.val_before_train=false"]))
     with pytest.raises(RuntimeError, match=r"2 consecutive training steps had only non-finite gradient norms "
                                            r"\(trainer.max_consecutive_skipped_steps=2\)") as info:
         ray_trainer.run_ppo(cfg)
@@ -226,7 +232,7 @@ def test_a_worker_call_past_its_timeout_ends_the_run_naming_it(ray_local, tool_m
     that takes longer ends in an error naming the method and the ranks."""
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
 
-    cfg = _compose(_overrides(tool_model_dir, toy_data, tmp_path, ["trainer.worker_call_timeout=0.01"]))
+    cfg = _typed(_overrides(tool_model_dir, toy_data, tmp_path, ["trainer.worker_call_timeout=0.01"]))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"init_model.* did not finish within 0.01s on rank"):
         run_ppo(cfg)
@@ -242,15 +248,15 @@ def test_save_freq_minus_one_never_saves_and_val_only_validates_the_last_checkpo
     never = _overrides(tool_model_dir, toy_data, tmp_path / "never", ["trainer.total_training_steps=1",
                                                                        "trainer.save_freq=-1", "trainer.val_before_train=false",
                                                                        "trainer.test_freq=-1"])
-    run_ppo(_compose(never))
+    run_ppo(_typed(never))
     assert not list((tmp_path / "never").glob("global_step_*"))
     assert not (tmp_path / "never" / "latest_checkpointed_iteration.txt").exists()
     base = _overrides(tool_model_dir, toy_data, tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=3",
                                                            "trainer.val_before_train=false", "trainer.test_freq=-1"])
-    run_ppo(_compose(base))
+    run_ppo(_typed(base))
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2"]   # the end, not step 3
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    metrics = run_ppo(_compose(base + ["trainer.val_only=true"]))
+    metrics = run_ppo(_typed(base + ["trainer.val_only=true"]))
     assert "val/arpo_toy_math/score/mean" in metrics and not any(k.startswith("actor/") for k in metrics)
     lines = _jsonl(tmp_path)
     assert [m["step"] for m in lines] == [1, 2, 2]  # two training steps, then the validation at step 2
@@ -269,7 +275,7 @@ def test_validation_generations_are_logged_and_dumped(ray_local, tool_model_dir,
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
 
     val_dir = tmp_path / "val"
-    run_ppo(_compose(_overrides(tool_model_dir, toy_data, tmp_path, [
+    run_ppo(_typed(_overrides(tool_model_dir, toy_data, tmp_path, [
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.val_before_train=true",
         "trainer.test_freq=1", "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "trainer.log_val_generations=3",

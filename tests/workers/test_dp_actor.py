@@ -17,6 +17,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.trainer.ppo.core_algos import get_policy_loss_fn
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
+from verl_arpo.utils.job_config import ActorConfig, PolicyLossConfig
 from worker_configs import actor_kwargs, log_probs
 
 P, R = 6, 8
@@ -161,7 +162,7 @@ def assert_grads_close(a, b, rtol=1e-4):
 # --------------------------------------------------------------------------------------------
 def test_compute_log_prob_matches_plain_forward(model):
     data = make_batch(model.config.vocab_size, seed=1)
-    actor = DataParallelPPOActor({}, model)
+    actor = DataParallelPPOActor(None, model)
     for temperature in (1.0, 0.7):
         rows = per_row_outputs(model, data, temperature)
         data.meta_info.update(temperature=temperature)
@@ -172,7 +173,7 @@ def test_compute_log_prob_matches_plain_forward(model):
         lp_dyn, ent_dyn = actor.compute_log_prob(data, dynamic, calculate_entropy=True)
         torch.testing.assert_close(lp_dyn, lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent_dyn, ent, atol=1e-5, rtol=1e-5)
-        packed = DataParallelPPOActor({}, model, use_remove_padding=True)
+        packed = DataParallelPPOActor(None, model, use_remove_padding=True)
         seen = []
         hook = model.register_forward_pre_hook(
             lambda mod, args, kw: seen.append((kw["input_ids"].shape[0], kw["attention_mask"])), with_kwargs=True)
@@ -271,14 +272,14 @@ def test_aepo_entropy_advantage_is_computed_without_entropy_coeff(model):
 
 def test_entropy_balanced_clipping_flag(model):
     data = make_batch(model.config.vocab_size, seed=5)
-    lp, _ = DataParallelPPOActor({}, model).compute_log_prob(
+    lp, _ = DataParallelPPOActor(None, model).compute_log_prob(
         DataProto(batch=data.batch, meta_info={"temperature": 1.0}), log_probs(8))
     data.batch["old_log_probs"] = lp - 0.5  # r ≈ 1.65 > 1 + ε: clipped for A > 0
     data.batch["advantages"] = data.batch["advantages"].abs()
-    actor = DataParallelPPOActor({"enable_entropy_balanced_clipping": True}, model, RecordingOptimizer(model))
+    actor = DataParallelPPOActor(ActorConfig(enable_entropy_balanced_clipping=True), model, RecordingOptimizer(model))
     assert actor._policy_loss_fn() is get_policy_loss_fn("entropy_balanced")
     with pytest.raises(ValueError):
-        DataParallelPPOActor({"enable_entropy_balanced_clipping": True, "policy_loss": {"loss_mode": "x"}},
+        DataParallelPPOActor(ActorConfig(enable_entropy_balanced_clipping=True, policy_loss=PolicyLossConfig(loss_mode="x")),
                              model)._policy_loss_fn()
     vanilla, _ = actor_grad(model, data)
     balanced, _ = actor_grad(model, data, enable_entropy_balanced_clipping=True)
@@ -397,7 +398,7 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
             torch.testing.assert_close(dp[name]["params"][k] - before[k], v - before[k],
                                        atol=1e-4 * max_delta, rtol=1e-3, msg=f"{name}: {k}")
     # the FSDP forward (rank 0's half, dynamic micro-batches) equals a plain forward
-    ref_lp, _ = DataParallelPPOActor({}, load_model(tiny_model_dir)).compute_log_prob(
+    ref_lp, _ = DataParallelPPOActor(None, load_model(tiny_model_dir)).compute_log_prob(
         DataProto(batch=data.batch[:4], meta_info={"temperature": 1.0}), log_probs(4))
     torch.testing.assert_close(dp["seq-mean-fixed"]["lp"], ref_lp, atol=1e-5, rtol=1e-5)
 

@@ -38,7 +38,6 @@ def _trainer_and_worker(model_dir, data_dir, out_dir, free_cache_engine: bool):
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
-    from verl_arpo.utils.job_config import JobConfig
     from verl_arpo.utils.reward_manager import load_reward_manager
     from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
 
@@ -52,8 +51,7 @@ def _trainer_and_worker(model_dir, data_dir, out_dir, free_cache_engine: bool):
                  "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.total_training_steps=3"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose(config_name="cpu_tiny", overrides=overrides)
-    validate_config(cfg)
-    cfg = JobConfig.from_mapping(cfg)
+    cfg = validate_config(cfg)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = RayPPOTrainer(cfg, tok, RLHFDataset(cfg.data.train_files, tok, cfg.data), None,
                             load_reward_manager(cfg, tok, num_examine=0), None)

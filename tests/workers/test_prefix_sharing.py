@@ -115,7 +115,7 @@ def test_shared_forward_equals_per_row_forwards(tiny_model_dir, attn_impl):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn_impl, dtype=torch.float32)
     data = shared_batch(model.config.vocab_size, seed=1)
     rows = per_row_outputs(model, data)
-    actor = DataParallelPPOActor({}, model, use_remove_padding=True, use_prefix_sharing=True)
+    actor = DataParallelPPOActor(None, model, use_remove_padding=True, use_prefix_sharing=True)
     seen = []
     hook = model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[1]),
                                            with_kwargs=True)
@@ -142,11 +142,11 @@ def test_shared_update_gradient_is_the_minibatch_objective(model):
 
 def test_actor_refuses_sharing_it_cannot_do(tiny_model_dir, model):
     with pytest.raises(ValueError, match="use_remove_padding=true"):
-        DataParallelPPOActor({}, model, use_prefix_sharing=True)
+        DataParallelPPOActor(None, model, use_prefix_sharing=True)
     flash = load_model(tiny_model_dir)
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation=sdpa"):
-        DataParallelPPOActor({}, flash, use_remove_padding=True, use_prefix_sharing=True)
+        DataParallelPPOActor(None, flash, use_remove_padding=True, use_prefix_sharing=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ as in the seeds' scripts. Hydra does not change the working directory, and it ke
 copy of the config (that copy would hold API keys in clear); a masked ``config.yaml`` is written to
 the Hydra run dir (``hydra.run.dir``) instead.
 
-Order of events, so that a bad value costs seconds rather than a Ray start-up: print the masked
-config → ``validate_config`` (every problem at once, exit code 2) → import the trainer → start or
-join Ray → ``verl_arpo.trainer.ppo.ray_trainer.run_ppo(config)``.
+Order of events, so that a bad value costs seconds rather than a Ray start-up: write the masked
+config → build the typed ``JobConfig`` and print its summary → check every value rule
+(``validate_config``: every problem at once, exit code 2) → import the trainer → start or join Ray → ``run_ppo(job)``. Everything after
+the build reads the one ``JobConfig``.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
 from verl_arpo.utils.resources import config_dir
 from verl_arpo.utils.secrets import secret_env_vars
-from verl_arpo.utils.job_config import JobConfig, RayInitConfig, from_mapping
+from verl_arpo.utils.job_config import JobConfig
 
 CONFIG_DIR = config_dir()
 """Absolute path of the repository's configs/ folder (Hydra's default --config-path)."""
@@ -73,11 +74,7 @@ def load_run_ppo():
     return run_ppo
 
 
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
-
-def init_ray(cfg: JobConfig | DictConfig) -> bool:
+def init_ray(job: JobConfig) -> bool:
     """Start a local Ray cluster, or join `ray_init.address`. Returns True when this call started Ray."""
     import ray
 
@@ -85,7 +82,7 @@ def init_ray(cfg: JobConfig | DictConfig) -> bool:
         return False
     for key, value in DEFAULT_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    ray_cfg = cfg.ray_init if isinstance(cfg, JobConfig) else from_mapping(RayInitConfig, _plain(cfg.ray_init), "ray_init")
+    ray_cfg = job.ray_init
     runtime_env = dict(ray_cfg.runtime_env or {})  # free-form: Ray's runtime_env fields
     env_vars = {**DEFAULT_RAY_ENV, **(runtime_env.get("env_vars") or {})}
     env_vars = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env_vars.items()}
@@ -103,42 +100,36 @@ def init_ray(cfg: JobConfig | DictConfig) -> bool:
     return True
 
 
-def config_summary(cfg: DictConfig, full: Path | None) -> str:
+def config_summary(job: JobConfig, full: Path | None) -> str:
     """One screen: what this run trains, on what, how long, and where the full config is."""
-    def get(key, default=None):
-        value = OmegaConf.select(cfg, key, default=default, throw_on_missing=False)
-        return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-
-    rollout = "actor_rollout_ref.rollout"
-    branching = (f"ARPO/AEPO branching ({get(rollout + '.branch_rule', 'arpo')}, initial_rollouts="
-                 f"{get(rollout + '.initial_rollouts')})" if get(rollout + ".initial_rollouts") else "no branching")
+    model, actor, r = job.actor_rollout_ref.model, job.actor_rollout_ref.actor, job.actor_rollout_ref.rollout
+    d, t = job.data, job.trainer
+    branching = (f"ARPO/AEPO branching ({r.branch_rule}, initial_rollouts={r.initial_rollouts})"
+                 if r.initial_rollouts else "no branching")
     lines = [
-        f"model     {get('actor_rollout_ref.model.path')}",
-        f"algorithm {get('algorithm.adv_estimator')}, {branching}, lr {get('actor_rollout_ref.actor.optim.lr')}",
-        f"rollout   {get(rollout + '.name')} engine, n={get(rollout + '.n')}, temperature {get(rollout + '.temperature')}, "
-        f"prompt/response tokens {get('data.max_prompt_length')}/{get('data.max_response_length')}",
-        f"data      train {get('data.train_files')} ({get('data.train_batch_size')} prompts/step), "
-        f"val {get('data.val_files')}",
-        f"run       {get('trainer.nnodes')} node(s) x {get('trainer.n_gpus_per_node')} workers on "
-        f"{get('trainer.device')}, steps {get('trainer.total_training_steps') or 'all epochs'} "
-        f"({get('trainer.total_epochs')} epoch(s)), save_freq {get('trainer.save_freq')}, "
-        f"test_freq {get('trainer.test_freq')}, logger {get('trainer.logger')}",
-        f"output    {get('trainer.default_local_dir')}",
+        f"model     {model.path}",
+        f"algorithm {job.algorithm.adv_estimator}, {branching}, lr {actor.optim.lr}",
+        f"rollout   {r.name} engine, n={r.n}, temperature {r.temperature}, "
+        f"prompt/response tokens {d.max_prompt_length}/{d.max_response_length}",
+        f"data      train {d.train_files} ({d.train_batch_size} prompts/step), val {d.val_files}",
+        f"run       {t.nnodes} node(s) x {t.n_gpus_per_node} workers on {t.device}, steps "
+        f"{t.total_training_steps or 'all epochs'} ({t.total_epochs} epoch(s)), save_freq {t.save_freq}, "
+        f"test_freq {t.test_freq}, logger {t.loggers}",
+        f"output    {t.default_local_dir}",
         f"config    {full if full else 'python -m verl_arpo.trainer.main_ppo --cfg job <same overrides> prints it'}",
     ]
     return "\n".join("[verl_arpo] " + line for line in lines)
 
 
 def run(cfg: DictConfig) -> Any:
-    """Summarise, validate, start Ray, train. Raises ConfigError before anything is started. The
-    full masked config goes to a file (Hydra's run dir), not to the console."""
+    """Build the typed config, summarise, start Ray, train. Raises ConfigError before anything is
+    started. The full masked config goes to a file (Hydra's run dir), not to the console."""
     full = save_masked_config(cfg)
-    print(config_summary(cfg, full), flush=True)
-    validate_config(cfg)
+    job = validate_config(cfg, on_typed=lambda typed: print(config_summary(typed, full), flush=True))
     run_ppo = load_run_ppo()
-    started = init_ray(cfg)
+    started = init_ray(job)
     try:
-        return run_ppo(cfg)
+        return run_ppo(job)
     finally:
         if started:
             import ray

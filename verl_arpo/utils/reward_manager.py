@@ -104,13 +104,14 @@ def get_reward_manager_cls(name: str) -> type:
     return REWARD_MANAGER_REGISTRY[name]
 
 
-def _job(config: Any) -> JobConfig:
-    """The typed config (a composed Hydra tree or a partial mapping is built into one; absent keys
-    take the YAML defaults)."""
-    return config if isinstance(config, JobConfig) else JobConfig.from_mapping(config)
+def _job(config: JobConfig) -> JobConfig:
+    if not isinstance(config, JobConfig):
+        raise TypeError(f"the reward manager takes the typed config, got {type(config).__name__}: build it with "
+                        "verl_arpo.trainer.config.validate_config(cfg)")
+    return config
 
 
-def get_custom_reward_fn(config: Any) -> CustomRewardFunction | None:
+def get_custom_reward_fn(config: JobConfig) -> CustomRewardFunction | None:
     """verl's entry point: `config.custom_reward_function.{path,name,reward_kwargs}` -> function.
 
     Returns None when no path is set (the manager then uses `default_compute_score`).
@@ -438,7 +439,7 @@ def _one_past_last(flags: torch.Tensor) -> torch.Tensor:
     return (positions * flags).max(dim=-1).values
 
 
-def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> Any:
+def load_reward_manager(config: JobConfig, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> Any:
     """Build the reward manager named by `config.reward_model.reward_manager` (default "naive").
 
     Uses `custom_reward_function` when its path is set, `data.reward_fn_key` (default

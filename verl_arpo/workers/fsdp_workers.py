@@ -24,7 +24,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
-from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, Derived, from_mapping
+from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, Derived
 from verl_arpo.workers.training_core import (
     HOST_MEMORY,
     attn_implementation,
@@ -73,13 +73,13 @@ class _FSDPModelMixin:
 class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     """Roles: "actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref"."""
 
-    def __init__(self, config: ActorRolloutRefConfig | dict, derived: Derived, role: str = "actor_rollout_ref"):
+    def __init__(self, config: ActorRolloutRefConfig, derived: Derived, role: str = "actor_rollout_ref"):
         super().__init__()
         self.derived = derived   # this run's batch sizes per worker and KL switches (JobConfig.derived)
         if role != "actor_rollout_ref":
             raise ValueError(f"worker role {role!r} is not implemented: actor, rollout and reference always share "
                              "one worker per slot (role='actor_rollout_ref', actor_rollout_ref.hybrid_engine=true)")
-        self.config: ActorRolloutRefConfig = from_mapping(ActorRolloutRefConfig, config, "actor_rollout_ref")
+        self.config: ActorRolloutRefConfig = config
         self.role = role
         self.device_name = get_device_name()
 
@@ -305,9 +305,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 class CriticWorker(Worker, _FSDPModelMixin):
     """The value model for GAE: an HF token-classification head with one label, FSDP2-sharded."""
 
-    def __init__(self, config: CriticConfig | dict, derived: Derived, seed: int = 0):
+    def __init__(self, config: CriticConfig, derived: Derived, seed: int = 0):
         super().__init__()
-        self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
+        self.config: CriticConfig = config
         self.derived = derived
         self.seed = seed
         self.device_name = get_device_name()

@@ -17,7 +17,7 @@ No config objects are required and there is no global state besides the registri
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,10 @@ from verl_arpo.utils.job_config import (
     ActorConfig,
     AlgorithmConfig,
     KLCtrlConfig,
-    from_mapping,
     kl_term_active,  # noqa: F401 - re-exported: the rule the actor applies
 )
+from verl_arpo.utils.job_config.training import KLPenalty, LossAggMode
+from verl_arpo.utils.job_config.typed import choices
 from verl_arpo.utils.torch_functional import (
     check_same_shape,
     clip_by_value,
@@ -88,7 +89,7 @@ def get_policy_loss_fn(name: str) -> Callable:
 # --------------------------------------------------------------------------------------------
 # Loss aggregation
 # --------------------------------------------------------------------------------------------
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = choices(LossAggMode)   # the config's Literal: one list of accepted names
 
 
 def agg_loss(
@@ -244,7 +245,7 @@ def compute_rloo_outcome_advantage(
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    config: Any = None,
+    config: AlgorithmConfig | None = None,
     gamma: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +259,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     """
     check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     if gamma is None:
-        gamma = from_mapping(AlgorithmConfig, config, "algorithm").gamma
+        gamma = (config or AlgorithmConfig()).gamma
     with torch.no_grad():
         mask = response_mask.to(token_level_rewards.dtype)
         running = torch.zeros_like(token_level_rewards[:, 0])
@@ -370,10 +371,10 @@ def compute_policy_loss(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-def _clip_args(config: ActorConfig | Mapping | None) -> dict:
-    """The clip settings of the actor config (a mapping of its keys is built into one; absent keys
-    take the YAML defaults): ε_low / ε_high default to clip_ratio."""
-    c = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
+def _clip_args(config: ActorConfig | None) -> dict:
+    """The clip settings of the actor section (None: the YAML defaults): ε_low / ε_high default to
+    clip_ratio."""
+    c = config or ActorConfig()
     low = c.clip_ratio if c.clip_ratio_low is None else c.clip_ratio_low
     high = c.clip_ratio if c.clip_ratio_high is None else c.clip_ratio_high
     return dict(cliprange=c.clip_ratio, cliprange_low=low, cliprange_high=high, clip_ratio_c=c.clip_ratio_c)
@@ -381,8 +382,8 @@ def _clip_args(config: ActorConfig | Mapping | None) -> dict:
 
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
-                                loss_agg_mode: str = "token-mean", config: Any = None, **agg_kwargs):
-    """Registered form of `compute_policy_loss`; clip settings from `config` (actor config keys
+                                loss_agg_mode: str = "token-mean", config: ActorConfig | None = None, **agg_kwargs):
+    """Registered form of `compute_policy_loss`; clip settings from `config` (the actor section:
     clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c). Returns the 4-tuple."""
     return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                                loss_agg_mode=loss_agg_mode, **_clip_args(config), **agg_kwargs)
@@ -390,7 +391,7 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
 
 @register_policy_loss("entropy_balanced")
 def compute_policy_loss_entropy_balanced(old_log_prob, log_prob, advantages, response_mask,
-                                         loss_agg_mode: str = "token-mean", config: Any = None, **agg_kwargs):
+                                         loss_agg_mode: str = "token-mean", config: ActorConfig | None = None, **agg_kwargs):
     """AEPO entropy clipping-balanced loss (actor.enable_entropy_balanced_clipping=True); see
     `compute_policy_loss(entropy_balanced_clipping=True)`."""
     return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
@@ -429,7 +430,7 @@ def compute_value_loss(
     return vf_loss, vf_clipfrac
 
 
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+KL_PENALTIES = choices(KLPenalty)   # the config's Literal
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
@@ -490,9 +491,8 @@ class AdaptiveKLController:
         self.value *= 1 + error * n_steps / self.horizon
 
 
-def get_kl_controller(kl_ctrl: Any) -> FixedKLController | AdaptiveKLController:
+def get_kl_controller(k: KLCtrlConfig) -> FixedKLController | AdaptiveKLController:
     """Build from algorithm.kl_ctrl {type: fixed|adaptive, kl_coef, target_kl, horizon}."""
-    k = from_mapping(KLCtrlConfig, kl_ctrl, "algorithm.kl_ctrl")
     kind = k.type
     if kind == "fixed":
         return FixedKLController(k.kl_coef)

@@ -105,13 +105,12 @@ def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, 
 class RayPPOTrainer(TrainerCheckpoints):
     """Owns the worker groups, the data order, tracking and checkpoints; `fit()` runs training."""
 
-    def __init__(self, config, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
+    def __init__(self, config: JobConfig, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
         self.tokenizer = tokenizer
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
-        if not isinstance(config, JobConfig):  # a composed Hydra tree (benchmarks, notebooks)
-            config = JobConfig.from_mapping(config)
-        self.config: JobConfig = config
+        self.config: JobConfig = _typed(config)
+        config = self.config
         self.device = resolve_device(config.trainer.device)   # auto: the Ray cluster's GPUs decide
         derived = config.derived
         self.use_critic = derived.need_critic
@@ -443,7 +442,14 @@ def slow_bf16_keys(config: JobConfig, fast_bf16: bool | None = None, device: str
             if value in ("bfloat16", "bf16")]
 
 
-def run_ppo(config, keep_workers: bool = False):
+def _typed(config: Any) -> JobConfig:
+    if not isinstance(config, JobConfig):
+        raise TypeError(f"the trainer takes the typed config, got {type(config).__name__}: build it once with "
+                        "verl_arpo.trainer.config.validate_config(cfg) (which also checks every value)")
+    return config
+
+
+def run_ppo(config: JobConfig, keep_workers: bool = False):
     """Build datasets, reward managers and the trainer from a validated config, then train.
 
     Returns the last step's metrics; with keep_workers=True returns (metrics, trainer) and leaves
@@ -453,7 +459,7 @@ def run_ppo(config, keep_workers: bool = False):
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
     from verl_arpo.utils.reward_manager import load_reward_manager
 
-    config = config if isinstance(config, JobConfig) else JobConfig.from_mapping(config)
+    config = _typed(config)
     for line in slow_bf16_keys(config):
         logger.warning(line)
     model_path = config.actor_rollout_ref.model.path

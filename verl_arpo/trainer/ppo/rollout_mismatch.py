@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import torch
 
+from verl_arpo.utils.job_config.run import RolloutISLevel, RolloutISMode
+from verl_arpo.utils.job_config.typed import choices
 from verl_arpo.utils.torch_functional import masked_mean
 
 __all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES", "mismatch_metrics", "rollout_is_weights"]
 
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("truncate",)
+ROLLOUT_IS_LEVELS = choices(RolloutISLevel)   # the config's Literal: one list of accepted names
+ROLLOUT_IS_MODES = choices(RolloutISMode)
 
 
 def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,

@@ -117,7 +117,7 @@ class RLHFDataset(Dataset):
             config = DataConfig()
         if not isinstance(config, DataConfig):
             raise TypeError(f"RLHFDataset: config is the typed data section (job_config.DataConfig), got "
-                            f"{type(config).__name__}; build it with JobConfig.from_mapping(cfg).data")
+                            f"{type(config).__name__}; build it with validate_config(cfg).data")
         self.tokenizer = tokenizer
         self.prompt_key = config.prompt_key
         self.max_prompt_length = int(config.max_prompt_length)

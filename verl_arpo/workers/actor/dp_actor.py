@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
 
 import torch
 
 from verl_arpo.trainer.ppo.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
 from verl_arpo.trainer.ppo.rollout_mismatch import mismatch_metrics, rollout_is_weights
-from verl_arpo.utils.job_config import ActorConfig, Batching, from_mapping
+from verl_arpo.utils.job_config import ActorConfig, Batching
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,
@@ -73,11 +72,11 @@ class DataParallelPPOActor:
     takes its micro-batching as an argument.
     """
 
-    def __init__(self, config: ActorConfig | Mapping | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
+    def __init__(self, config: ActorConfig | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
                  update: Batching | None = None, use_kl_loss: bool = False, use_remove_padding: bool = False,
                  use_prefix_sharing: bool = False, shuffle_seed: int = 0, dp_group=None,
                  device: torch.device | None = None):
-        self.config: ActorConfig = from_mapping(ActorConfig, config, "actor_rollout_ref.actor")
+        self.config: ActorConfig = config if config is not None else ActorConfig()  # None: a reference policy
         self.update = update
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
 
 import torch
 
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
-from verl_arpo.utils.job_config import Batching, CriticConfig, from_mapping
+from verl_arpo.utils.job_config import Batching, CriticConfig
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.workers.training_core import (
     TokenWeightedMeans,
@@ -56,10 +55,10 @@ class DataParallelPPOCritic:
     micro-batch crossing to `device` just before its forward (`to_device`).
     """
 
-    def __init__(self, config: CriticConfig | Mapping | None, critic_module: torch.nn.Module, critic_optimizer=None,
+    def __init__(self, config: CriticConfig | None, critic_module: torch.nn.Module, critic_optimizer=None,
                  *, update: Batching | None = None, values: Batching, shuffle_seed: int = 0, dp_group=None,
                  device: torch.device | None = None):
-        self.config: CriticConfig = from_mapping(CriticConfig, config, "critic")
+        self.config: CriticConfig = config if config is not None else CriticConfig()
         self.update, self.values = update, values
         self.critic_module = critic_module
         self.device = device if device is not None else module_device(critic_module)

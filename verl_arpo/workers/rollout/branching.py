@@ -34,7 +34,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-ENTROPY_MODES = ("topk_proxy", "full")
+from verl_arpo.utils.job_config.rollout import EntropyMode
+from verl_arpo.utils.job_config.typed import choices
+
+ENTROPY_MODES = choices(EntropyMode)   # the config's Literal: one list of accepted names
 
 
 # --------------------------------------------------------------------------------------------

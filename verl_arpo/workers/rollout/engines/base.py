@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterable, Sequence
 
+from verl_arpo.utils.job_config.rollout import ROLLOUT_NAMES
+
 FINISH_REASONS = ("eos", "stop", "length")
-ENGINE_NAMES = ("hf", "vllm")
+ENGINE_NAMES = ROLLOUT_NAMES   # the config's Literal: one list of accepted names
 
 
 @dataclass
