@@ -28,6 +28,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
+from verl_arpo.trainer.local_ray import LocalRayHead
 from verl_arpo.utils.resources import config_dir
 from verl_arpo.utils.secrets import secret_env_vars
 from verl_arpo.utils.job_config import JobConfig
@@ -74,8 +75,15 @@ def load_run_ppo():
     return run_ppo
 
 
-def init_ray(job: JobConfig) -> bool:
-    """Start a local Ray cluster, or join `ray_init.address`. Returns True when this call started Ray."""
+_HEAD: LocalRayHead | None = None
+"""The head `init_ray(own_session=True)` started; `shutdown_ray` stops it."""
+
+
+def init_ray(job: JobConfig, own_session: bool = False) -> bool:
+    """Start a local Ray cluster, or join `ray_init.address`. Returns True when this call started Ray.
+    With `own_session` (the command line) a local cluster is a `ray start` head in its own session,
+    out of reach of a signal to the driver's process group (trainer/local_ray.py)."""
+    global _HEAD
     import ray
 
     if ray.is_initialized():
@@ -94,10 +102,30 @@ def init_ray(job: JobConfig) -> bool:
     runtime_env["env_vars"] = {k: v for k, v in env_vars.items() if k not in secrets}
     if ray_cfg.address:
         ray.init(address=str(ray_cfg.address), runtime_env=runtime_env)
+    elif own_session:
+        _HEAD = LocalRayHead(ray_cfg.num_cpus, bool(ray_cfg.include_dashboard),
+                             env={k: v for k, v in env_vars.items() if k not in secrets})
+        try:
+            ray.init(address=_HEAD.start(), runtime_env=runtime_env)
+        except BaseException:
+            _HEAD.stop()
+            _HEAD = None
+            raise
     else:
         ray.init(num_cpus=int(ray_cfg.num_cpus) if ray_cfg.num_cpus else None, runtime_env=runtime_env,
                  include_dashboard=bool(ray_cfg.include_dashboard))
     return True
+
+
+def shutdown_ray() -> None:
+    """Leave Ray, and stop the head `init_ray(own_session=True)` started."""
+    global _HEAD
+    import ray
+
+    ray.shutdown()
+    if _HEAD is not None:
+        _HEAD.stop()
+        _HEAD = None
 
 
 def config_summary(job: JobConfig, full: Path | None) -> str:
@@ -126,15 +154,19 @@ def run(cfg: DictConfig) -> Any:
     started. The full masked config goes to a file (Hydra's run dir), not to the console."""
     full = save_masked_config(cfg)
     job = validate_config(cfg, on_typed=lambda typed: print(config_summary(typed, full), flush=True))
+    own_session = not job.ray_init.address and "ray" not in sys.modules
+    if own_session:
+        # the head init_ray starts (`ray start`) turns token authentication on, and a driver joining a
+        # cluster by its address must say so before Ray is imported (Ray reads it once, at import;
+        # the token is in ~/.ray/auth_token). A user's own RAY_AUTH_MODE is kept.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     run_ppo = load_run_ppo()
-    started = init_ray(job)
+    started = init_ray(job, own_session=own_session)
     try:
         return run_ppo(job)
     finally:
         if started:
-            import ray
-
-            ray.shutdown()
+            shutdown_ray()
 
 
 def main() -> None:

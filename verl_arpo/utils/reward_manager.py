@@ -134,6 +134,15 @@ def _score_and_extras(result: Any, index: int) -> tuple[float, dict[str, Any]]:
     )
 
 
+def leave_process_group() -> None:
+    """A scoring worker's first act: a process group of its own. `timeout`, job control and Slurm
+    signal the driver's whole group on preemption; the driver finishes its step (scoring included)
+    before it stops, so its workers must not die with the signal (the driver ends them itself,
+    `close`/`_kill_pool`, and a worker whose driver died exits on its closed pipe)."""
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
+
+
 @register_reward_manager("naive")
 class NaiveRewardManager:
     """Score each response with a rule (see the module docstring for the exact rule).
@@ -188,7 +197,8 @@ class NaiveRewardManager:
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             ctx = multiprocessing.get_context(self.mp_start_method)
-            self._pool = ProcessPoolExecutor(max_workers=max(1, self.num_workers), mp_context=ctx)
+            self._pool = ProcessPoolExecutor(max_workers=max(1, self.num_workers), mp_context=ctx,
+                                             initializer=leave_process_group)
         return self._pool
 
     def close(self) -> None:

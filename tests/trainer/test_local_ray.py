@@ -1,0 +1,77 @@
+"""The command line's local Ray head (verl_arpo/trainer/local_ray.py): a session of its own, so a
+signal to the driver's process group does not reach it, and it dies with a driver killed outright."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from verl_arpo.trainer.local_ray import LocalRayHead
+
+
+def _session_members(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            pass
+    return out
+
+
+def _wait_gone(sid: int, timeout: float = 60) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := _session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_the_head_runs_in_its_own_session_and_stop_leaves_nothing():
+    head = LocalRayHead(num_cpus=1, env={"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"})
+    address = head.start()
+    try:
+        sid = os.getsid(head.process.pid)
+        assert sid == head.process.pid != os.getsid(0)  # a new session: our group's signals miss it
+        names = {p.name() for p in _session_members(sid)}
+        assert {"gcs_server", "raylet"} <= names, names   # the cluster's daemons are in it
+        assert address.startswith("127.0.0.1:")
+        # its address is recorded in its own temp dir, where a plain ray.init() elsewhere never looks
+        assert (head.temp_dir / "ray_current_cluster").read_text().endswith(address.split(":")[1])
+        default = Path("/tmp/ray/ray_current_cluster")
+        assert not default.exists() or not default.read_text().endswith(address.split(":")[1])
+    finally:
+        head.stop()
+    assert _wait_gone(sid) == [] and not head.temp_dir.exists()
+
+
+def test_the_head_dies_with_a_driver_killed_outright(tmp_path):
+    """A driver that never reaches stop() (SIGKILL, or the preemption watchdog's os._exit): the
+    kernel's parent-death signal stops the head, and the head stops its daemons."""
+    out = tmp_path / "sid"
+    code = textwrap.dedent(f"""
+        import os
+        from verl_arpo.trainer.local_ray import LocalRayHead
+        head = LocalRayHead(num_cpus=1, env={{"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}})
+        head.start()
+        open({str(out)!r}, "w").write(str(os.getsid(head.process.pid)))
+        os._exit(1)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    sid = int(out.read_text())
+    assert _wait_gone(sid) == []
+
+
+def test_a_head_that_cannot_start_says_why(monkeypatch):
+    head = LocalRayHead(num_cpus=1)
+    monkeypatch.setattr(head, "command", lambda port: [sys.executable, "-c", "print('no such thing'); raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="did not start.*no such thing"):
+        head.start(timeout_s=30)
+    assert head.process is None and head.log.exists()
+    head.log.unlink()

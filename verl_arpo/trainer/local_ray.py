@@ -1,0 +1,110 @@
+"""The local Ray cluster of a command-line run, in a session of its own (docs/checkpoints.md,
+"Preemption").
+
+`timeout -s TERM`, a shell's job control and Slurm signal every process of the job's process group,
+not the driver alone. A cluster that `ray.init()` starts is made of the driver's children, in the
+driver's group: the group's SIGTERM killed the GCS, the raylet and the workers in the middle of the
+step the driver was finishing for its checkpoint. So `main_ppo` starts the head as `ray start --head
+--block` in a new session, where a signal to the driver's group does not reach it, and joins it with
+`ray.init(address=...)`:
+
+- the driver alone decides when the cluster ends: `stop()` after the run, whatever its outcome;
+- if the driver dies without that (SIGKILL, or the preemption watchdog's `os._exit`), the kernel
+  sends the head SIGTERM (PR_SET_PDEATHSIG), and `ray start --block` stops what it started;
+- the head gets its own free GCS and client ports and its own temp dir, so runs on one machine never
+  share a cluster, and a plain `ray.init()` elsewhere on the machine never finds this one (`ray
+  start` records its address in `<temp dir>/ray_current_cluster`, where `ray.init()` looks under
+  /tmp/ray by default).
+
+Library users who call `ray.init()` themselves keep Ray's usual behaviour (`init_ray(job)`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+READY_LINE = "Ray runtime started"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalRayHead:
+    """`ray start --head --block` in its own session; `start()` returns the address to join."""
+
+    def __init__(self, num_cpus: int | None = None, include_dashboard: bool = False, env: dict | None = None):
+        self.num_cpus, self.include_dashboard = num_cpus, include_dashboard
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self.address: str | None = None
+        fd, name = tempfile.mkstemp(prefix="verl_arpo_ray_head_", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        # short: Ray's unix sockets live below it and must stay under 107 characters
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="va_ray_", dir="/tmp" if os.path.isdir("/tmp") else None))
+
+    def command(self, port: int) -> list[str]:
+        ray_cli = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_cli) if ray_cli.exists() else "ray", "start", "--head", "--block", f"--port={port}",
+               f"--ray-client-server-port={_free_port()}", f"--include-dashboard={str(self.include_dashboard).lower()}",
+               "--disable-usage-stats", f"--temp-dir={self.temp_dir}"]
+        return cmd + ([f"--num-cpus={int(self.num_cpus)}"] if self.num_cpus else [])
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        port = _free_port()
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen(self.command(port), stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        while READY_LINE not in self.log.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                self.stop(keep_log=True)
+                raise RuntimeError(f"the local Ray head did not start (`{' '.join(self.command(port))}`; "
+                                   f"log {self.log}):\n{tail}")
+            time.sleep(0.2)
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    def stop(self, grace_s: float = 30.0, keep_log: bool = False) -> None:
+        """SIGTERM to `ray start --block` (it stops the processes it started), then SIGKILL to whatever
+        of its session is left."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("the local Ray head did not stop within %.0f s: killing its session", grace_s)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)   # the session leader's group: the head's processes
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+        self.process = None
+        if not keep_log:
+            self.log.unlink(missing_ok=True)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
