@@ -21,35 +21,16 @@ def tied_duplicate_keys(state_dict: dict, config) -> list[str]:
 
 
 def save_hf_safetensors(state_dict: dict, out_dir: str, max_shard_size: int = 5 * 1024**3) -> list[str]:
-    """Write `state_dict` as HF safetensors (`model.safetensors`, or shards + index); return files.
-
-    Shards are written one at a time, so at most one shard is copied in memory.
-    """
-    from safetensors.torch import save_file
+    """Write `state_dict` as HF safetensors (`model.safetensors`, or shards + index); return the
+    weight files. `huggingface_hub.save_torch_state_dict` does the work: shards written one at a
+    time (at most one shard copied in memory), tensors that share storage stored once."""
+    from huggingface_hub import save_torch_state_dict
 
     os.makedirs(out_dir, exist_ok=True)
-    nbytes = {k: t.numel() * t.element_size() for k, t in state_dict.items()}
-    groups, size = [[]], 0
-    for key in state_dict:
-        if groups[-1] and size + nbytes[key] > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += nbytes[key]
-    n = len(groups)
-    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    names = names if n > 1 else ["model.safetensors"]
-    for name, keys in zip(names, groups):
-        shard, seen = {}, set()
-        for k in keys:  # safetensors refuses tensors sharing storage: copy those
-            t = state_dict[k].detach().to("cpu").contiguous()
-            ptr = t.untyped_storage().data_ptr()
-            shard[k] = t.clone() if ptr in seen else t
-            seen.add(ptr)
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-    if n > 1:
-        index = {"metadata": {"total_size": sum(nbytes.values())},
-                 "weight_map": {k: name for name, keys in zip(names, groups) for k in sorted(keys)}}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-    return names
+    state = {k: t.detach().to("cpu") for k, t in state_dict.items()}
+    save_torch_state_dict(state, out_dir, max_shard_size=max_shard_size, metadata={"format": "pt"})
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    return ["model.safetensors"]
