@@ -32,7 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from verl_arpo.utils.resources import bundled_root, config_dir
+
+ROOT = bundled_root()
+"""Where the bundled task lives (rl_datasets/): the checkout, or the installed package's data."""
+PACKAGE = Path(__file__).resolve().parent
 PY = sys.executable
 
 
@@ -49,7 +53,7 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool 
     with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     say(f"{log.stem}: {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s")
     if rc != 0:
         tail = "".join(open(log).readlines()[-40:])
@@ -115,8 +119,7 @@ def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: 
 
 
 def merge_command(rl_root: Path, hf_dir: Path) -> list[str]:
-    return [PY, str(ROOT / "merge_ckpt" / "convert_verl_to_hf.py"), "--verl_checkpoint", str(rl_root),
-            "--output_dir", str(hf_dir)]
+    return [PY, "-m", "merge_ckpt.convert_verl_to_hf", "--verl_checkpoint", str(rl_root), "--output_dir", str(hf_dir)]
 
 
 def eval_args(test_limit: int | None = None, precision: str = "bf16") -> list[str]:
@@ -153,10 +156,10 @@ def eval_cache_key(model_dir: Path, data: Path, args: list[str]) -> str:
     for f in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
         add_file(f, "model/" + f.relative_to(model_dir).as_posix())
     add_file(Path(data), "data")
-    code_roots = [ROOT / "verl_arpo", ROOT / "configs"]
-    for root in code_roots:
-        for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
-            add_file(f, "code/" + f.relative_to(ROOT).as_posix())
+    for root in (PACKAGE, Path(config_dir())):   # the code and the configs, wherever they are installed
+        for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts
+                        and "_bundled" not in p.parts):
+            add_file(f, f"code/{root.name}/" + f.relative_to(root).as_posix())
     h.update(json.dumps([args, torch.__version__, transformers.__version__]).encode())
     return h.hexdigest()
 
@@ -213,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sft_epochs", type=int, default=None)
     p.add_argument("--sft_steps", type=int, default=None, help="SFT optimizer steps of 16 conversations")
     p.add_argument("--test_limit", type=int, default=None, help="evaluate only the first N test questions")
-    p.add_argument("--out", default=str(ROOT / "outputs" / "quickstart"))
+    p.add_argument("--out", default="outputs/quickstart", help="where everything goes (default: under the "
+                   "current directory)")
     p.add_argument("--force", action="store_true", help="redo every stage")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="compute precision: bf16 (fp32 master weights) where the CPU has native bf16, else fp32 (auto)")

@@ -100,3 +100,21 @@ def test_train_two_steps_and_convert_from_the_installed_package(fresh_venv, tiny
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_from_the_installed_package(fresh_venv, tmp_path):
+    """[issue 33, item 5] `python -m verl_arpo.quickstart` from a wheel install: the packaged task and
+    corpus, everything written under the current directory, nothing under site-packages."""
+    site = fresh_venv["site"]
+    before = {p for p in site.rglob("*") if "__pycache__" not in p.parts}
+    env = {**_env(), "VERL_ARPO_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([str(fresh_venv["py"]), "-m", "verl_arpo.quickstart", "--tiny", "--smoke"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "outputs" / "quickstart"
+    summary = (out / "summary.json").read_text()
+    assert '"n": 30' in summary.replace(" ", "").replace('"n":30', '"n": 30')
+    assert (out / "rl_model_hf" / "config.json").is_file() and (out / "reward_curve.png").is_file()
+    after = {p for p in site.rglob("*") if "__pycache__" not in p.parts}
+    assert after == before, sorted(str(p) for p in after ^ before)[:10]

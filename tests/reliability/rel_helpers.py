@@ -3,7 +3,7 @@ engine, prompt batches, the rollout invariants, a scriptable fake search API and
 
 `FuzzEngine` differs from tests/rollout/scripted.py's `ScriptedEngine` on purpose: fuzzed text is
 fed token by token through the *real* engine rules (stop at EOS, at the first stop string in the
-decoded text of this call — checked with the HF engine's own `_StopChecker` — or at the request's
+decoded text of this call — checked with the HF engine's own `StopChecker` — or at the request's
 budget), so text that a test cannot predict (nested, repeated, split tags, special tokens) still
 produces exactly what a real engine would hand the loop.
 """
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.workers.rollout.engines.base import GenOutput, InferenceEngine
-from verl_arpo.workers.rollout.engines.hf_engine import _StopChecker
+from verl_arpo.workers.rollout.engines.hf_requests import StopChecker
 from verl_arpo.workers.rollout.tool_text import encode_tool_result
 
 # RELIABILITY_FUZZ_SCALE=10 runs ten times more examples (a deeper local run); the default keeps
@@ -73,7 +73,7 @@ class FuzzEngine(InferenceEngine):
             turn = self.script(r, k)
             turn = FuzzTurn(turn) if isinstance(turn, str) else turn
             planned = self._encode(turn) + [self.tokenizer.eos_token_id]  # the model ends with EOS
-            checker = _StopChecker(self.tokenizer, r.stop)
+            checker = StopChecker(self.tokenizer, r.stop)
             ids, finish, stop_str = [], "length", None
             for tok in planned:
                 if len(ids) >= r.max_new_tokens:

@@ -65,8 +65,8 @@ class LocalRayHead:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="va_ray_", dir="/tmp" if os.path.isdir("/tmp") else None))
 
     def command(self, port: int) -> list[str]:
-        ray_cli = Path(sys.executable).with_name("ray")
-        cmd = [str(ray_cli) if ray_cli.exists() else "ray", "start", "--head", "--block", f"--port={port}",
+        # Ray's CLI as a module of this interpreter: no `ray` executable needs to be on the PATH
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
                f"--ray-client-server-port={_free_port()}", f"--include-dashboard={str(self.include_dashboard).lower()}",
                "--disable-usage-stats", f"--temp-dir={self.temp_dir}"]
         return cmd + ([f"--num-cpus={int(self.num_cpus)}"] if self.num_cpus else [])

@@ -360,7 +360,7 @@ def build_loop(args, tokenizer, engine=None):
 
     from verl_arpo.utils.job_config import RolloutSection
     from verl_arpo.workers.rollout import build_agent_loop
-    from verl_arpo.workers.rollout.engines.base import build_engine
+    from verl_arpo.workers.rollout.engines import build_engine
     from verl_arpo.workers.rollout.tools import ToolExecutor
 
     if engine is None:   # before the tools: bm25s loads numba, which breaks a vLLM 0.32 engine started after it

@@ -152,7 +152,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     def _build_rollout(self, path: str):
         from verl_arpo.workers.rollout import build_agent_loop
-        from verl_arpo.workers.rollout.engines.base import build_engine
+        from verl_arpo.workers.rollout.engines import build_engine
         from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 
         rcfg = self.config.rollout

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from verl_arpo.workers.rollout.engines.base import GenOutput, GenRequest
+from verl_arpo.workers.rollout.engines.hf_requests import merge_batches, row_output
 
 
 class ContinuousBatching:
@@ -41,7 +42,7 @@ class ContinuousBatching:
 
     def _init_continuous(self) -> None:
         self._waiting: list = []        # _Rows not yet prefilled
-        self._running = None            # _Batch decoding now
+        self._running = None            # Batch decoding now
         self._logits = None             # its rows' next-token logits
         self._finished: list = []       # rows finished before they ran (zero budget)
         self._waited = 0                # decode steps the oldest waiting row has waited
@@ -67,8 +68,6 @@ class ContinuousBatching:
     def step(self) -> list[tuple[GenRequest, GenOutput]]:
         if not self.reuse_kv:
             return super().step()
-        from verl_arpo.workers.rollout.engines.hf_engine import _output
-
         was_training = self.model.training
         self.model.eval()
         try:
@@ -77,7 +76,7 @@ class ContinuousBatching:
             self._admit()
             if self._running is not None:
                 done += self._decode_step()
-            return [(r.req, _output(r)) for r in done]
+            return [(r.req, row_output(r)) for r in done]
         finally:
             self.model.train(was_training)
 
@@ -96,7 +95,7 @@ class ContinuousBatching:
         if self._running is None:
             self._running, self._logits = batch, logits
         else:
-            self._running = _merge(self._running, batch)
+            self._running = merge_batches(self._running, batch)
             self._logits = torch.cat([self._logits, logits])
 
     def _decode_step(self) -> list:
@@ -119,26 +118,3 @@ class ContinuousBatching:
         batch.next_pos = batch.next_pos + 1
         self._running = batch
         return finished
-
-
-def _merge(a, b):
-    """One batch from two: each cache left-padded to the longer one, rows stacked (a first)."""
-    from transformers import DynamicCache
-
-    from verl_arpo.workers.rollout.engines.hf_engine import _Batch
-
-    Ta, Tb = a.mask.shape[1], b.mask.shape[1]
-    T, Ba, Bb = max(Ta, Tb), a.mask.shape[0], b.mask.shape[0]
-    layers = []
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        merged = []
-        for xa, xb in ((la.keys, lb.keys), (la.values, lb.values)):
-            x = xa.new_zeros((Ba + Bb, xa.shape[1], T, xa.shape[3]))
-            x[:Ba, :, T - Ta:] = xa
-            x[Ba:, :, T - Tb:] = xb
-            merged.append(x)
-        layers.append(tuple(merged))
-    mask = a.mask.new_zeros((Ba + Bb, T))
-    mask[:Ba, T - Ta:] = a.mask
-    mask[Ba:, T - Tb:] = b.mask
-    return _Batch(a.rows + b.rows, DynamicCache(layers), mask, torch.cat([a.next_pos, b.next_pos]))

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Iterable
 
 import torch
@@ -58,11 +57,11 @@ from verl_arpo.workers.rollout.engines.base import (
     GenOutput,
     GenRequest,
     InferenceEngine,
-    SamplingParams,
     topk_with_sampled,
     common_prefix_len,
 )
 from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousBatching
+from verl_arpo.workers.rollout.engines.hf_requests import KV, Batch, Row, StopChecker, row_output
 from verl_arpo.workers.rollout.engines.hf_weights import EngineWeights
 
 logger = logging.getLogger(__name__)
@@ -72,74 +71,6 @@ _MIN_SHARED_PREFIX = 16
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass
-class _KV:
-    """Cached state of one sequence: the tokens seen, and per layer their keys/values
-    `[kv_heads, len(tokens), head_dim]` (never modified in place: branches share them)."""
-
-    tokens: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    def cut(self, n: int) -> "_KV":
-        """The first n tokens (views, no copy)."""
-        return _KV(self.tokens[:n], [k[:, :n] for k in self.keys], [v[:, :n] for v in self.values])
-
-
-@dataclass
-class _Row:
-    """One request while it is being generated."""
-
-    req: GenRequest
-    past: _KV | None          # reused cache (already validated and cut)
-    suffix: list[int]         # prompt tokens still to prefill
-    rng: torch.Generator
-    stop: "_StopChecker"
-    kv: _KV | None = None     # after a separate prefill, before decode batching
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk: list[list[float]] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
-    finish: str | None = None
-    stop_str: str | None = None
-
-    @property
-    def sp(self) -> SamplingParams:
-        return self.req.sampling
-
-
-@dataclass
-class _Batch:
-    """Rows decoding together: a DynamicCache, its 2-D padding mask (same length) and the
-    position the next fed token will have in each row."""
-
-    rows: list[_Row]
-    cache: object
-    mask: torch.Tensor        # [B, T] long, 1 = real token
-    next_pos: torch.Tensor    # [B] long
-
-
-class _StopChecker:
-    """Finds stop strings in the decoded text of the newly generated tokens.
-
-    Called after every token, so a hit is always completed by the latest token. Only a window of
-    the last tokens is decoded: a stop string of b bytes spans at most b byte-level tokens, and
-    the extra tokens in front absorb a possibly cut multi-byte character."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer = tokenizer
-        self.stops = [s for s in stops if s]
-        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 2
-
-    def check(self, tokens: list[int]) -> str | None:
-        if not self.stops:
-            return None
-        text = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
-        hits = [(text.find(s), s) for s in self.stops if s in text]
-        return min(hits)[1] if hits else None
 
 
 class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
@@ -198,7 +129,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.max_cached_tokens = max_cached_tokens
         self._rng = torch.Generator().manual_seed(seed)
-        self._store: dict[str, _KV] = {}   # insertion order = recency (for eviction)
+        self._store: dict[str, KV] = {}   # insertion order = recency (for eviction)
         self._n_cached = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._asleep = False
@@ -255,11 +186,11 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         live.sort(key=lambda r: len(r.req.prompt_ids))
         for i in range(0, len(live), self.max_batch_size):
             self._run_group(live[i:i + self.max_batch_size])
-        return [_output(r) for r in rows]
+        return [row_output(r) for r in rows]
 
     # ------------------------------------------------------------------ one group
 
-    def _make_row(self, req: GenRequest) -> _Row:
+    def _make_row(self, req: GenRequest) -> Row:
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id!r} has empty prompt_ids")
         past, n = None, 0
@@ -278,9 +209,9 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             past = past if n == len(past.tokens) else past.cut(n)
         rng = self._rng if req.seed is None else torch.Generator().manual_seed(int(req.seed))
         self.stats["reused_tokens"] += n
-        return _Row(req, past, list(req.prompt_ids[n:]), rng, _StopChecker(self.tokenizer, req.stop))
+        return Row(req, past, list(req.prompt_ids[n:]), rng, StopChecker(self.tokenizer, req.stop))
 
-    def _share_prefix(self, fresh: list[_Row]) -> None:
+    def _share_prefix(self, fresh: list[Row]) -> None:
         """Encode the prefix that all fresh rows share (the system prompt and chat template,
         ~118 of ~140 tokens in the quickstart's prompts) once, and give it to each of them as
         its cached past: their prefill then covers only their own suffixes. Rows with a cached
@@ -292,14 +223,14 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         n = min(n, len(first) - 1)
         if n < _MIN_SHARED_PREFIX:
             return
-        head = _Row(fresh[0].req, None, first[:n], fresh[0].rng, fresh[0].stop)
+        head = Row(fresh[0].req, None, first[:n], fresh[0].rng, fresh[0].stop)
         batch, _ = self._prefill([head])
         shared = self._extract(batch, 0, first[:n])
         self.stats["shared_prefix_tokens"] += n * (len(fresh) - 1)
         for r in fresh:
             r.past, r.suffix = shared, r.suffix[n:]
 
-    def _prefill_rows(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+    def _prefill_rows(self, rows: list[Row]) -> tuple[Batch, torch.Tensor]:
         """Prefill `rows` into one decoding batch; returns it with each row's next-token logits."""
         chunks = self._prefill_chunks(rows)
         if len(chunks) == 1:
@@ -313,13 +244,13 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
                 parts[id(r)] = lg[i]
         logits = torch.stack([parts[id(r)] for r in rows])
         cache, mask = self._assemble([r.kv for r in rows])
-        batch = _Batch(rows, cache, mask, torch.tensor([len(r.kv.tokens) for r in rows],
+        batch = Batch(rows, cache, mask, torch.tensor([len(r.kv.tokens) for r in rows],
                                                        device=self.device))
         for r in rows:
             r.kv = None
         return batch, logits
 
-    def _run_group(self, rows: list[_Row]) -> None:
+    def _run_group(self, rows: list[Row]) -> None:
         batch, logits = self._prefill_rows(rows)
         while True:
             tokens = self._sample_and_record(logits, batch.rows)
@@ -339,7 +270,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
                                    batch.next_pos[:, None])
             batch.next_pos = batch.next_pos + 1
 
-    def _keep(self, rid: str, kv: _KV) -> None:
+    def _keep(self, rid: str, kv: KV) -> None:
         """Store a finished row's KV (most recent last); evict the oldest beyond the cap."""
         old = self._store.pop(rid, None)
         self._n_cached += len(kv.tokens) - (len(old.tokens) if old is not None else 0)
@@ -348,7 +279,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
                 and len(self._store) > 1:
             self._n_cached -= len(self._store.pop(next(iter(self._store))).tokens)
 
-    def _prefill_chunks(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _prefill_chunks(self, rows: list[Row]) -> list[list[Row]]:
         """Group rows by suffix length so padding stays small (one chunk without KV reuse: the
         per-row KV copy-out needs a plain DynamicCache)."""
         if not self.reuse_kv or len(rows) == 1:
@@ -368,7 +299,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
 
     # ------------------------------------------------------------------ tensors
 
-    def _prefill(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+    def _prefill(self, rows: list[Row]) -> tuple[Batch, torch.Tensor]:
         cache, past_mask = self._assemble([r.past for r in rows])
         S = max(len(r.suffix) for r in rows)
         ids = torch.full((len(rows), S), self.pad_id, dtype=torch.long)
@@ -381,12 +312,12 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             pos[i, S - n:] = torch.arange(p0, p0 + n)
         self.stats["prefill_tokens"] += sum(len(r.suffix) for r in rows)
         self.stats["prefill_calls"] += 1
-        batch = _Batch(rows, cache, past_mask, pos[:, -1].to(self.device) + 1)
+        batch = Batch(rows, cache, past_mask, pos[:, -1].to(self.device) + 1)
         logits = self._forward(batch, ids.to(self.device), smask.to(self.device),
                                pos.to(self.device))
         return batch, logits
 
-    def _forward(self, batch: _Batch, ids, new_mask, pos) -> torch.Tensor:
+    def _forward(self, batch: Batch, ids, new_mask, pos) -> torch.Tensor:
         """Run the model on new tokens; extend the batch mask; return last-position float32 logits."""
         batch.mask = torch.cat([batch.mask, new_mask], dim=1)
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
@@ -399,7 +330,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             logits[:, self.n_token_ids:] = float("-inf")
         return logits
 
-    def _assemble(self, kvs: list[_KV | None]):
+    def _assemble(self, kvs: list[KV | None]):
         """Left-pad cached keys/values into one DynamicCache; return it with its 2-D mask."""
         from transformers import DynamicCache
 
@@ -422,7 +353,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             mask[i, P - n:] = 1 if n else 0
         return DynamicCache(layers), mask
 
-    def _extract(self, batch: _Batch, i: int, tokens: list[int]) -> _KV:
+    def _extract(self, batch: Batch, i: int, tokens: list[int]) -> KV:
         """Copy row i's real positions out of the batch cache (to CPU memory)."""
         sel = batch.mask[i].bool()
         keys = [layer.keys[i][:, sel].to("cpu") for layer in batch.cache.layers]
@@ -430,9 +361,9 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         if keys and keys[0].shape[1] != len(tokens):
             raise RuntimeError(f"HFEngine internal error: {keys[0].shape[1]} cached positions for "
                                f"{len(tokens)} tokens")
-        return _KV(list(tokens), keys, values)
+        return KV(list(tokens), keys, values)
 
-    def _select(self, batch: _Batch, keep: list[int]) -> _Batch:
+    def _select(self, batch: Batch, keep: list[int]) -> Batch:
         """Drop finished rows, then the columns that are padding in every remaining row."""
         idx = torch.tensor(keep, device=self.device)
         batch.cache.batch_select_indices(idx)
@@ -442,11 +373,11 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             for layer in batch.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             mask = mask[:, first:]
-        return _Batch([batch.rows[i] for i in keep], batch.cache, mask, batch.next_pos[idx])
+        return Batch([batch.rows[i] for i in keep], batch.cache, mask, batch.next_pos[idx])
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample_and_record(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+    def _sample_and_record(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Pick one token per row, append it with its statistics, set finish reasons."""
         V = logits.shape[-1]
         temps = torch.tensor([1.0 if r.sp.is_greedy else float(r.sp.temperature) for r in rows],
@@ -496,7 +427,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         return tokens
 
 
-def _draw(logp: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+def _draw(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """Inverse-CDF sampling, one uniform per row from that row's generator; top-k/top-p only
     restrict the support (the reported log-probs stay those of the untruncated distribution)."""
     V = logp.shape[-1]
@@ -519,11 +450,6 @@ def _draw(logp: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     idx = torch.minimum(idx, last)   # u * total may round up to total
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
-
-
-def _output(r: _Row) -> GenOutput:
-    return GenOutput(token_ids=r.tokens, finish_reason=r.finish, stop_str=r.stop_str, logprobs=r.logprobs,
-                     topk_logprobs=r.topk, entropy=r.entropy if r.sp.full_entropy else None)
 
 
 def _pick_attn(name: str | None, device: torch.device) -> str:
