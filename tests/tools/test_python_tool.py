@@ -149,8 +149,10 @@ def test_bad_sandbox_value():
 
 
 def test_without_bubblewrap_auto_fails_closed_and_none_is_an_explicit_logged_opt_out(monkeypatch, caplog):
-    monkeypatch.setattr(python_tool, "_probe_result", False)  # as if bwrap were missing
-    monkeypatch.setattr(python_tool, "_probe_reason", "bwrap: No permissions to creating new namespace")
+    from verl_arpo.workers.rollout.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "_probe_result", False)  # as if bwrap were missing
+    monkeypatch.setattr(sandbox, "_probe_reason", "bwrap: No permissions to creating new namespace")
     for mode in ("auto", "bwrap"):
         with pytest.raises(python_tool.SandboxUnavailableError, match="No permissions.*sandbox=none"):
             PythonTool(timeout=10, sandbox=mode)

@@ -243,3 +243,17 @@ def test_components_take_typed_sections_only():
     for call in (lambda: run_ppo({"trainer": {}}), lambda: load_reward_manager({}, None)):
         with pytest.raises(TypeError, match="validate_config"):
             call()
+
+
+def test_optim_eps_reaches_adamw_and_must_be_positive():
+    """The key added as the example of issue 32, goal 5: the YAML, OptimConfig (its rule) and the
+    code that reads it; nothing else holds its default."""
+    import torch
+
+    from verl_arpo.workers.training_core import build_adamw
+
+    job = jc.JobConfig.from_mapping({"actor_rollout_ref": {"actor": {"optim": {"eps": "1e-6"}}}})
+    opt = build_adamw([torch.nn.Parameter(torch.zeros(2))], job.actor_rollout_ref.actor.optim)
+    assert opt.param_groups[0]["eps"] == 1e-6
+    assert build_adamw([torch.nn.Parameter(torch.zeros(2))], jc.OptimConfig()).param_groups[0]["eps"] == 1e-8
+    assert "actor_rollout_ref.actor.optim.eps" in _problems({"actor_rollout_ref": {"actor": {"optim": {"eps": 0}}}})

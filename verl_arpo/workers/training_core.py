@@ -347,7 +347,7 @@ def shard_fsdp2(model: torch.nn.Module, mesh, *, mp_policy=None, reshard_after_f
 def build_adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the parameters that train (requires_grad)."""
     return torch.optim.AdamW([p for p in params if p.requires_grad], lr=float(optim.lr), betas=tuple(optim.betas),
-                             weight_decay=float(optim.weight_decay))
+                             eps=float(optim.eps), weight_decay=float(optim.weight_decay))
 
 
 def move_optimizer_state(optimizer, device: torch.device | None) -> None:

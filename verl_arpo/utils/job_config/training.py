@@ -97,9 +97,10 @@ class OptimConfig:
     total_training_steps: int = -1
     weight_decay: float = 0.01
     betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
 
     def problems(self, where: str) -> Problems:
-        return _positive(where, "lr", self.lr, "the learning rate")
+        return _positive(where, "lr", self.lr, "the learning rate") + _positive(where, "eps", self.eps, "AdamW epsilon")
 
 
 @dataclass(frozen=True)
