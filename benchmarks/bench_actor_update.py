@@ -69,8 +69,11 @@ def child(spec: dict) -> dict:
 
         from verl_arpo.utils.job_config import ActorConfig, Batching, OptimConfig
         from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
-        from verl_arpo.workers.training_core import (build_adamw, fsdp_mixed_precision, init_sharded_model,
-                                                     load_causal_lm, shard_fsdp2)
+        from verl_arpo.workers.optim_step import build_adamw
+        from verl_arpo.workers.sharded_model import (fsdp_mixed_precision,
+            init_sharded_model,
+            load_causal_lm,
+            shard_fsdp2)
 
         dist.init_process_group("gloo", rank=0, world_size=1)
         mesh = init_device_mesh("cpu", (1,))
@@ -120,7 +123,7 @@ def child(spec: dict) -> dict:
         step()
         if i >= 1:
             times.append(time.perf_counter() - t)
-    from verl_arpo.workers.training_core import HOST_MEMORY
+    from verl_arpo.workers.host_memory import HOST_MEMORY
 
     # the process's peak since start: our update resets the kernel's VmHWM at its phase
     # boundaries, HOST_MEMORY's window keeps what each reset saw

@@ -36,7 +36,7 @@ def _rank(rank, world, port, model_dir, out_dir):
 
     from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams
     from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
-    from verl_arpo.workers.training_core import init_sharded_model, load_causal_lm, shard_fsdp2
+    from verl_arpo.workers.sharded_model import init_sharded_model, load_causal_lm, shard_fsdp2
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -250,7 +250,7 @@ def test_optim_eps_reaches_adamw_and_must_be_positive():
     code that reads it; nothing else holds its default."""
     import torch
 
-    from verl_arpo.workers.training_core import build_adamw
+    from verl_arpo.workers.optim_step import build_adamw
 
     job = jc.JobConfig.from_mapping({"actor_rollout_ref": {"actor": {"optim": {"eps": "1e-6"}}}})
     opt = build_adamw([torch.nn.Parameter(torch.zeros(2))], job.actor_rollout_ref.actor.optim)

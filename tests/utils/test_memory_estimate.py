@@ -62,7 +62,9 @@ import transformers, peft  # noqa: F401  imports are not the job's memory
 from verl_arpo.protocol import DataProto
 from verl_arpo.utils.job_config import OptimConfig
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
-from verl_arpo.workers.training_core import HOST_MEMORY, build_adamw, init_sharded_model, load_causal_lm, shard_fsdp2
+from verl_arpo.workers.host_memory import HOST_MEMORY
+from verl_arpo.workers.optim_step import build_adamw
+from verl_arpo.workers.sharded_model import init_sharded_model, load_causal_lm, shard_fsdp2
 model_dir, B, P, R = sys.argv[1], 4, 64, 192
 HOST_MEMORY.take_window_peak()   # a fresh window: the update resets VmHWM at its phase boundaries, the window does not lose them
 def rss():

@@ -2,13 +2,13 @@
 each top-level phase reports the device bytes in use at its first entry and its last exit
 (perf/gpu_memory_{entry,exit}_gb/<phase>); micro-batch phases ("update/forward") are not read, since
 every reading synchronises the device."""
-from verl_arpo.workers import training_core
-from verl_arpo.workers.training_core import HostMemoryPhases
+from verl_arpo.workers import host_memory
+from verl_arpo.workers.host_memory import HostMemoryPhases
 
 
 def test_entry_and_exit_of_each_top_level_phase(monkeypatch):
     readings = iter([1, 2, 3, 4, 5, 6])  # GiB, in the order the phases read them
-    monkeypatch.setattr(training_core, "_device_used", lambda: next(readings) * 2**30)
+    monkeypatch.setattr(host_memory, "_device_used", lambda: next(readings) * 2**30)
     mem = HostMemoryPhases()
     with mem.phase("rollout"):       # reads 1 (entry) and 2 (exit)
         pass
@@ -28,5 +28,5 @@ def test_no_device_readings_off_cuda():
     mem = HostMemoryPhases()
     with mem.phase("rollout"):
         pass
-    assert training_core._device_used() is None
+    assert host_memory._device_used() is None
     assert not any(k.startswith("perf/gpu_memory_") for k in mem.metrics())

@@ -38,7 +38,7 @@ def _init_rank(rank, world, port, model_dir, out_dir, lora_rank):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from verl_arpo.workers.training_core import init_sharded_model, load_causal_lm, shard_fsdp2
+    from verl_arpo.workers.sharded_model import init_sharded_model, load_causal_lm, shard_fsdp2
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

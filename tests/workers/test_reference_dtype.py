@@ -5,7 +5,7 @@ import torch
 
 from verl_arpo.protocol import DataProto
 from worker_configs import log_probs
-from verl_arpo.workers.training_core import load_causal_lm, model_dtype
+from verl_arpo.workers.sharded_model import load_causal_lm, model_dtype
 
 
 def test_model_dtype_defaults_follow_verl_on_the_gpu_and_stay_fp32_on_the_cpu():

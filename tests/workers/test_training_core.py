@@ -8,8 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from verl_arpo.utils.job_config import OptimConfig
-from verl_arpo.workers.training_core import (attn_implementation, build_adamw, build_lr_scheduler,
-                                             clip_grad_and_step, fsdp_mixed_precision)
+from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
+from verl_arpo.workers.sharded_model import attn_implementation, fsdp_mixed_precision
 
 
 def reference_factor(step, total, warmup, style, floor):
@@ -106,7 +106,7 @@ def test_dense_packing_on_cuda_warns_once(tiny_model_dir, caplog):
 
 _FRAGMENT = r'''
 import torch
-from verl_arpo.workers.training_core import release_host_memory
+from verl_arpo.workers.host_memory import release_host_memory
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 big = torch.ones(30 * 2**20 // 4); del big          # freeing a mapped 30 MB block raises malloc's mmap threshold
@@ -132,7 +132,7 @@ def test_release_host_memory_returns_freed_heap():
 
 _PEAK = r'''
 import torch
-from verl_arpo.workers.training_core import memory_metrics
+from verl_arpo.workers.host_memory import memory_metrics
 cpu = torch.device("cpu")
 memory_metrics(cpu)                       # start a fresh window
 x = torch.ones(512 * 2**20 // 4)          # 512 MiB, touched
@@ -163,7 +163,7 @@ def test_host_memory_peak_is_per_window_and_reduced_by_max():
 _PHASES = r'''
 import json
 import torch
-from verl_arpo.workers.training_core import HOST_MEMORY, memory_metrics
+from verl_arpo.workers.host_memory import HOST_MEMORY, memory_metrics
 cpu = torch.device("cpu")
 memory_metrics(cpu)                           # a fresh window
 with HOST_MEMORY.phase("update"):

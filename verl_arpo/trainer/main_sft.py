@@ -20,7 +20,7 @@ and accumulates gradients of
 
 (token-mean over the whole global batch, the same whatever the micro-batch split or world size) →
 clip the gradient norm, AdamW step (skipped on a non-finite norm), warmup + cosine schedule — the
-RL trainer's own mechanics, from verl_arpo/workers/training_core.py → at the end save a plain HF folder
+RL trainer's own mechanics, from verl_arpo/workers/ (sharded_model, optim_step, training_core) → at the end save a plain HF folder
 (safetensors, config, generation config, tokenizer) in `trainer.default_local_dir`.
 
 Distribution: a single process trains the plain module. Under torchrun (WORLD_SIZE > 1) the process
@@ -51,13 +51,8 @@ from omegaconf import DictConfig, OmegaConf
 from verl_arpo.trainer.sft_data import read_records, to_messages, tokenize_conversation
 from verl_arpo.utils.chat_template import configure_chat_template
 from verl_arpo.utils.job_config import OptimConfig
-from verl_arpo.workers.training_core import (
-    build_adamw,
-    build_lr_scheduler,
-    clip_grad_and_step,
-    load_causal_lm,
-    shard_fsdp2,
-)
+from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
+from verl_arpo.workers.sharded_model import load_causal_lm, shard_fsdp2
 
 logger = logging.getLogger("verl_arpo.sft")
 

@@ -25,21 +25,15 @@ from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, Derived
-from verl_arpo.workers.training_core import (
-    HOST_MEMORY,
-    attn_implementation,
-    build_adamw,
-    build_lr_scheduler,
+from verl_arpo.workers.host_memory import HOST_MEMORY, memory_metrics, release_host_memory
+from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, move_optimizer_state
+from verl_arpo.workers.sharded_model import (attn_implementation,
     fsdp_mixed_precision,
     init_sharded_model,
     load_causal_lm,
     maybe_reshard,
-    memory_metrics,
     model_dtype,
-    move_optimizer_state,
-    release_host_memory,
-    shard_fsdp2,
-)
+    shard_fsdp2)
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from verl_arpo.utils.job_config.typed import Problems, choices
 
 ModelDtype = Literal["float32", "fp32", "bfloat16", "bf16"]
 MODEL_DTYPE_NAMES = choices(ModelDtype)
-"""Accepted values of fsdp_config.model_dtype besides null (training_core.model_dtype)."""
+"""Accepted values of fsdp_config.model_dtype besides null (sharded_model.model_dtype)."""
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
@@ -110,7 +110,7 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     fsdp_size: int = -1
     mixed_precision: dict | None = None
-    model_dtype: ModelDtype | None = field(default=None, metadata={"hint": _DTYPE_HINT})  # training_core.model_dtype
+    model_dtype: ModelDtype | None = field(default=None, metadata={"hint": _DTYPE_HINT})  # sharded_model.model_dtype
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,17 @@ from verl_arpo.utils.torch_functional import (
     logprobs_from_logits,
 )
 from verl_arpo.utils.progress import Progress
-from verl_arpo.workers.training_core import (HOST_MEMORY, TokenWeightedMeans, clip_grad_and_step, global_loss_counts,
-                                             maybe_reshard, module_device, packing_supported, prefix_sharing_supported,
-                                             response_forward, to_device, unpack, warn_if_dense_packing, warn_once)
+from verl_arpo.workers.host_memory import HOST_MEMORY
+from verl_arpo.workers.optim_step import clip_grad_and_step
+from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
+from verl_arpo.workers.training_core import (TokenWeightedMeans,
+    global_loss_counts,
+    packing_supported,
+    prefix_sharing_supported,
+    response_forward,
+    unpack,
+    warn_if_dense_packing,
+    warn_once)
 
 __all__ = ["DataParallelPPOActor"]
 

@@ -25,18 +25,14 @@ import torch
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
 from verl_arpo.utils.job_config import Batching, CriticConfig
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
-from verl_arpo.workers.training_core import (
-    TokenWeightedMeans,
-    clip_grad_and_step,
+from verl_arpo.workers.optim_step import clip_grad_and_step
+from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
+from verl_arpo.workers.training_core import (TokenWeightedMeans,
     global_loss_counts,
-    maybe_reshard,
-    module_device,
     packing_supported,
     response_forward,
-    to_device,
     unpack,
-    warn_if_dense_packing,
-)
+    warn_if_dense_packing)
 
 __all__ = ["DataParallelPPOCritic"]
 
