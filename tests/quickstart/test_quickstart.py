@@ -79,7 +79,9 @@ def test_eval_cache_key_follows_every_input(tmp_path, monkeypatch):
     (code / "verl_arpo").mkdir(parents=True)
     (code / "configs").mkdir()
     (code / "verl_arpo" / "engine.py").write_text("TEMPERATURE = 1.0\n")
-    monkeypatch.setattr(quickstart, "ROOT", code)
+    (code / "configs" / "quickstart.yaml").write_text("n: 4\n")
+    monkeypatch.setattr(quickstart, "PACKAGE", code / "verl_arpo")        # the code and the configs,
+    monkeypatch.setattr(quickstart, "config_dir", lambda: str(code / "configs"))   # wherever installed
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -100,4 +102,7 @@ def test_eval_cache_key_follows_every_input(tmp_path, monkeypatch):
     assert eval_cache_key(model, data, ["--dtype", "float32"]) != key
     key = eval_cache_key(model, data, args)
     (code / "verl_arpo" / "engine.py").write_text("TEMPERATURE = 0.5\n")
+    assert eval_cache_key(model, data, args) != key
+    key = eval_cache_key(model, data, args)
+    (code / "configs" / "quickstart.yaml").write_text("n: 8\n")
     assert eval_cache_key(model, data, args) != key
