@@ -44,7 +44,7 @@ def child(engine: str, model_dir: str, mode: str) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from verl_arpo.workers.rollout.engines.base import build_engine
+    from verl_arpo.workers.rollout.engines import build_engine
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)

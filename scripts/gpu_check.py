@@ -127,7 +127,7 @@ def engine_rows(name: str, model_dir: str, device: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from verl_arpo.workers.rollout.engines.base import build_engine
+    from verl_arpo.workers.rollout.engines import build_engine
 
     mem = Memory(device)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -201,7 +201,7 @@ def _throughput_worker(spec: dict) -> dict:
     the best of two timed calls after a warm-up."""
     from transformers import AutoTokenizer
 
-    from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams, build_engine
+    from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams, build_engine
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
     dtype = "bfloat16" if spec["device"] == "cuda" else "float32"

@@ -322,7 +322,6 @@ def test_user_keys_keep_their_meaning_and_worker_sizes_are_derived(good):
     assert job.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == per_gpu != 16 // 2  # untouched
     assert d.actor_log_prob.micro_batch == 16 // 2  # the deprecated global size, per worker
     assert parse_logger(job.trainer.logger) == ["console", "jsonl"]
-    assert not hasattr(job.trainer, "config_normalized")
 
 
 @pytest.mark.parametrize("use_kl_loss,kl_loss_coef,in_reward,kl_coef,want_loss,want_reward", [
