@@ -228,10 +228,12 @@ class JobConfig:
         if d.train_batch_size >= 1 and ar.rollout.n >= 1 and t.nnodes >= 1 and t.n_gpus_per_node >= 1:
             out += _batch_problems(self)
         one_seq = d.max_prompt_length + d.max_response_length
-        for flag, key in ((ar.actor.use_dynamic_bsz, f"{AR}.actor.ppo_max_token_len_per_gpu"),
-                          (ar.rollout.log_prob_use_dynamic_bsz, f"{AR}.rollout.log_prob_max_token_len_per_gpu"),
-                          (ar.ref.log_prob_use_dynamic_bsz, f"{AR}.ref.log_prob_max_token_len_per_gpu")):
-            budget = _lookup(self, key)
+        for flag, budget, key in (
+                (ar.actor.use_dynamic_bsz, ar.actor.ppo_max_token_len_per_gpu, f"{AR}.actor.ppo_max_token_len_per_gpu"),
+                (ar.rollout.log_prob_use_dynamic_bsz, ar.rollout.log_prob_max_token_len_per_gpu,
+                 f"{AR}.rollout.log_prob_max_token_len_per_gpu"),
+                (ar.ref.log_prob_use_dynamic_bsz, ar.ref.log_prob_max_token_len_per_gpu,
+                 f"{AR}.ref.log_prob_max_token_len_per_gpu")):
             if flag and budget < one_seq:
                 out.append((key, f"token budget {budget} < max_prompt_length + max_response_length = {one_seq}: one "
                             "full sequence must fit (the seeds use 2-4 × that sum)"))

@@ -57,6 +57,7 @@ class _Unresolved:
 
 UNRESOLVED = _Unresolved
 _INT_TEXT = re.compile(r"[+-]?\d+")
+_UnionType = type(int | None)   # `X | None` written with `|` (typing.Union covers `Literal[...] | None`)
 
 
 def choices(literal: Any) -> tuple:
@@ -179,8 +180,6 @@ def _value(value: Any, typ: Any, hint: str) -> Any:
             errors.append(str(exc))
     raise ValueError(errors[0] if len(errors) == 1 else " or ".join(errors))
 
-
-_UnionType = type(int | None)
 
 
 def build(cls: type, data: Any, where: str) -> tuple[Any, Problems]:
