@@ -13,8 +13,8 @@ the Hydra run dir (``hydra.run.dir``) instead.
 
 Order of events, so that a bad value costs seconds rather than a Ray start-up: write the masked
 config → build the typed ``JobConfig`` and print its summary → check every value rule
-(``validate_config``: every problem at once, exit code 2) → import the trainer → start or join Ray → ``run_ppo(job)``. Everything after
-the build reads the one ``JobConfig``.
+(``validate_config``: every problem at once, exit code 2) → import the trainer → start or join Ray
+→ ``run_ppo(job)``. Everything after the build reads the one ``JobConfig``.
 """
 
 from __future__ import annotations
@@ -103,8 +103,7 @@ def init_ray(job: JobConfig, own_session: bool = False) -> bool:
     if ray_cfg.address:
         ray.init(address=str(ray_cfg.address), runtime_env=runtime_env)
     elif own_session:
-        _HEAD = LocalRayHead(ray_cfg.num_cpus, bool(ray_cfg.include_dashboard),
-                             env={k: v for k, v in env_vars.items() if k not in secrets})
+        _HEAD = LocalRayHead(ray_cfg.num_cpus, bool(ray_cfg.include_dashboard), env=runtime_env["env_vars"])
         try:
             ray.init(address=_HEAD.start(), runtime_env=runtime_env)
         except BaseException:
