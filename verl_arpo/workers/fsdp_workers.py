@@ -26,7 +26,9 @@ from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
 from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, Derived
 from verl_arpo.workers.host_memory import HOST_MEMORY, memory_metrics, release_host_memory
+from verl_arpo.utils.ulysses import build_sequence_parallel
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, move_optimizer_state
+from verl_arpo.workers.sequence_parallel import gather_group_data, local_rows
 from verl_arpo.workers.sharded_model import (attn_implementation,
     fsdp_mixed_precision,
     init_sharded_model,
@@ -47,6 +49,11 @@ class _FSDPModelMixin:
         if not hasattr(self, "_device_mesh"):
             self._device_mesh = init_device_mesh(self.device_name, (torch.distributed.get_world_size(),))
         return self._device_mesh
+
+    def _group_batch(self, data: DataProto) -> tuple[DataProto, list[int]]:
+        """Under sequence parallelism the S ranks of an sp group compute one batch: the S shares the
+        dispatcher gave them, gathered (docs/sequence_parallel.md); each returns its own rows after."""
+        return gather_group_data(data, self.sp)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0):
@@ -89,6 +96,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
         self.init_process_group()
         self.device = set_local_device(self.local_rank)
+        self.sp = build_sequence_parallel(self.derived.actor_sp, self.device.type)
         torch.manual_seed(int(seed))  # rank 0's init (LoRA adapters) is broadcast to every rank
         mcfg = self.config.model
         if mcfg.external_lib:  # registers custom model classes with the Auto* factories
@@ -126,7 +134,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                           update=self.derived.actor_update, use_kl_loss=self.derived.kl_loss_active,
                                           use_remove_padding=mcfg.use_remove_padding,
                                           use_prefix_sharing=mcfg.use_prefix_sharing, shuffle_seed=seed,
-                                          device=self.device)
+                                          sp=self.sp, device=self.device)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
             checkpoint_contents=tuple(acfg.checkpoint.contents), hf_config=self.hf_config)
@@ -135,7 +143,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             self.ref_module = load(train=False)
             # no actor keys apply: it only computes log-probs (micro-batches: derived.ref_log_prob)
             self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding,
-                                                   use_prefix_sharing=mcfg.use_prefix_sharing,
+                                                   use_prefix_sharing=mcfg.use_prefix_sharing, sp=self.sp,
                                                    device=self.device)
         self._build_rollout(path)
         # No weight sync here when the engine loaded the same checkpoint (a fresh LoRA merges to the
@@ -238,16 +246,19 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        data, shares = self._group_batch(data)
         with HOST_MEMORY.phase("log_prob"):
             log_probs, entropy = self.actor.compute_log_prob(data, self.derived.actor_log_prob, calculate_entropy=True)
         maybe_reshard(self.actor_module)
         release_host_memory()
-        return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
-                                   meta_info={"temperature": data.meta_info["temperature"]})
+        out = DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
+                                  meta_info={"temperature": data.meta_info["temperature"]})
+        return local_rows(out, shares, self.sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        data, shares = self._group_batch(data)
         batching = self.derived.ref_log_prob
         if self.lora:  # the reference is the base model: adapters off
             with self.actor_module.disable_adapter():
@@ -257,11 +268,12 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             log_probs, _ = self.ref_policy.compute_log_prob(data, batching, calculate_entropy=False)
             module = self.ref_module
         maybe_reshard(module)
-        return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
+        return local_rows(DataProto.from_dict(tensors={"ref_log_prob": log_probs}), shares, self.sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        data, _ = self._group_batch(data)
         offload = bool(self.config.actor.fsdp_config.optimizer_offload)  # a no-op on the CPU, same path
         if offload:  # the moments go where their parameters are (the host too, under param_offload)
             move_optimizer_state(self.actor_optimizer, None)
@@ -319,6 +331,7 @@ class CriticWorker(Worker, _FSDPModelMixin):
 
         self.init_process_group()
         self.device = set_local_device(self.local_rank)
+        self.sp = build_sequence_parallel(self.derived.critic_sp, self.device.type)
         torch.manual_seed(int(self.seed))  # the value head's random init, made on rank 0 and broadcast
         mcfg = self.config.model
         tok = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path, trust_remote_code=mcfg.trust_remote_code)
@@ -347,18 +360,20 @@ class CriticWorker(Worker, _FSDPModelMixin):
         self.lr_scheduler = build_lr_scheduler(self.critic_optimizer, opt, total_training_steps)
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
                                             update=self.derived.critic_update, values=self.derived.critic_values,
-                                            shuffle_seed=self.seed, device=self.device)
+                                            shuffle_seed=self.seed, sp=self.sp, device=self.device)
         self.checkpoint_manager = FSDPCheckpointManager(self.critic_module, self.critic_optimizer, self.lr_scheduler,
                                                         processing_class=tok, hf_config=hf_config)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
+        data, shares = self._group_batch(data)
         values = self.critic.compute_values(data)
         maybe_reshard(self.critic_module)
-        return DataProto.from_dict(tensors={"values": values})
+        return local_rows(DataProto.from_dict(tensors={"values": values}), shares, self.sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
+        data, _ = self._group_batch(data)
         metrics = self.critic.update_critic(data)
         release_host_memory()
         self.lr_scheduler.step()

@@ -2,7 +2,7 @@
 normalisation (docs/algorithms.md, "The policy loss shared by all of them"). Building and sharding the
 model: sharded_model.py; the optimizer step: optim_step.py; memory: host_memory.py.
 
-    response_forward, unpack, packing_supported   logits at the response slots, padded or packed
+    response_forward, ResponseLogits, unpack     logits at the response slots: padded, packed or sequence-parallel
     global_loss_counts, TokenWeightedMeans        the mini-batch normalisation and metric means
 
 use_remove_padding (packed sequences). The valid tokens of all rows are concatenated into one row
@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree
+from verl_arpo.utils.ulysses import SequenceParallel, gather_slots
+from verl_arpo.workers.sequence_parallel import SequenceShard, attention_kernel, shard_packed
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["response_forward", "unpack", "packing_supported", "prefix_sharing_supported", "warn_if_dense_packing",
+__all__ = ["response_forward", "ResponseLogits", "unpack", "packing_supported", "prefix_sharing_supported", "warn_if_dense_packing",
            "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
 
 
@@ -62,7 +65,7 @@ def packing_supported(module: torch.nn.Module) -> tuple[bool, str]:
         return False, "transformers is not importable"
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         return False, "this transformers version does not infer packed sequences from position_ids"
-    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    attn = attention_kernel(module)
     if attn not in PACKING_ATTN_IMPLEMENTATIONS:
         return False, f"attn_implementation {attn!r} does not separate packed sequences"
     return True, ""
@@ -72,7 +75,7 @@ def warn_if_dense_packing(module: torch.nn.Module, device: torch.device) -> None
     """Packing on CUDA without flash attention: transformers builds a dense N×N block mask for sdpa,
     so attention costs N² over the packed tokens instead of B·S² — warn once, loudly (install
     flash-attn, README "Install on a GPU machine", or set use_remove_padding=False)."""
-    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    attn = attention_kernel(module)
     if device.type == "cuda" and attn not in ("flash_attention_2", "flash_attention_3"):
         warn_once("dense_packing", "!" * 78 + f"\nuse_remove_padding=True with attn_implementation={attn!r} on CUDA: packed "
                   "rows get a dense N x N attention mask (N = tokens of a micro-batch), which costs more than the "
@@ -82,8 +85,9 @@ def warn_if_dense_packing(module: torch.nn.Module, device: torch.device) -> None
 
 def prefix_sharing_supported(module: torch.nn.Module) -> tuple[bool, str]:
     """Whether the attention backend takes our [1, 1, N, N] tree mask (use_prefix_sharing): sdpa
-    and eager do; flash attention's varlen kernels only know block-diagonal masks."""
-    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    and eager do (also inside the Ulysses wrapper); flash attention's varlen kernels only know
+    block-diagonal masks."""
+    attn = attention_kernel(module)
     if attn not in ("sdpa", "eager"):
         return False, f"attn_implementation {attn!r} takes no custom tree mask (sdpa and eager do)"
     return True, ""
@@ -128,34 +132,73 @@ def _as_attention_bias(mask: torch.Tensor | None, module: torch.nn.Module) -> to
         ~mask, torch.finfo(torch.float32).min)
 
 
-def response_forward(module: torch.nn.Module, micro, response_length: int, use_remove_padding: bool,
-                     causal_lm: bool = True, share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Run `module` and return the logits that score the response slots.
+@dataclass(frozen=True)
+class ResponseLogits:
+    """What `response_forward` returns: the logits that score the response slots this rank computed.
 
-    Returns (logits, keep, packed): padded → logits [B, R, C] for positions −R−1:−1; packed →
-    logits [K, C] for the kept slots only (scatter back with `unpack`). keep [B, R] marks response
-    slots holding real tokens (attention_mask); outputs at other slots are set to 0 by callers.
+    logits: padded [B, R, C] (positions −R−1:−1), packed [K_s, C] (this rank's kept slots; all K
+    without sequence parallelism). keep [B, R]: slots holding real tokens. Per-slot values computed
+    from the logits go back to [B, R] with `to_slots`; the tokens they score are `labels(responses)`."""
+
+    logits: torch.Tensor
+    keep: torch.Tensor
+    packed: bool
+    shard: SequenceShard | None = None
+    sp: SequenceParallel | None = None
+
+    def labels(self, responses: torch.Tensor) -> torch.Tensor:
+        """The response tokens the logits score, in the logits' layout."""
+        if not self.packed:
+            return responses
+        kept = responses[self.keep]
+        return kept if self.shard is None else kept[self.shard.owner == self.sp.rank]
+
+    def to_slots(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-slot values in the logits' layout → [B, R], zero where `keep` is False; under sequence
+        parallelism every rank gets every slot's value (ulysses.gather_slots, differentiable)."""
+        if self.shard is not None:
+            values = gather_slots(values, self.shard.owner, self.sp)
+        return unpack(values, self.keep, self.packed)
+
+
+def response_forward(module: torch.nn.Module, micro, response_length: int, use_remove_padding: bool,
+                     causal_lm: bool = True, share_prefix: bool = False,
+                     sp: SequenceParallel | None = None) -> ResponseLogits:
+    """Run `module` and return the logits that score the response slots (`ResponseLogits`).
+
     `causal_lm` asks the model for only the needed logits (`logits_to_keep`), which a token
     classification head does not accept. `share_prefix` (with use_remove_padding) computes each
     prefix several rows share once (use_prefix_sharing; the module must pass
-    `prefix_sharing_supported`).
+    `prefix_sharing_supported`). `sp` with S > 1 (packed only): this rank runs 1/S of the packed row
+    through the model's Ulysses attention (verl_arpo.workers.sequence_parallel) and scores the slots
+    whose scoring token it holds.
     """
     r = response_length
     packed = _pack(micro, r, share_prefix) if use_remove_padding else None
     if use_remove_padding and packed is None:
         warn_once("pos", "use_remove_padding: position_ids are not 0..L-1 per row; using padded batches")
+    if sp is not None and sp.enabled:
+        if packed is None:
+            raise ValueError("ulysses_sequence_parallel_size > 1 splits packed sequences: it needs "
+                             "use_remove_padding=true and position_ids 0..L-1 in every row")
+        shard = shard_packed(packed, sp)
+        extra = {"logits_to_keep": shard.local_idx} if causal_lm else {}
+        out = module(input_ids=shard.input_ids, position_ids=shard.position_ids, attention_mask=None,
+                     use_cache=False, **extra)
+        logits = out.logits[0] if causal_lm else out.logits[0, shard.local_idx]
+        return ResponseLogits(logits, packed["keep"], True, shard, sp)
     if packed is not None:
         extra = {"logits_to_keep": packed["keep_idx"]} if causal_lm else {}
         out = module(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
                      attention_mask=_as_attention_bias(packed["attention_mask"], module), use_cache=False, **extra)
         logits = out.logits[0] if causal_lm else out.logits[0, packed["keep_idx"]]
-        return logits, packed["keep"], True
+        return ResponseLogits(logits, packed["keep"], True)
     s = micro["input_ids"].shape[1]
     extra = {"logits_to_keep": r + 1} if causal_lm else {}
     out = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                  position_ids=micro["position_ids"], use_cache=False, **extra)
     logits = out.logits[:, -r - 1:-1] if causal_lm else out.logits[:, s - r - 1:s - 1]
-    return logits, micro["attention_mask"][:, s - r:].bool(), False
+    return ResponseLogits(logits, micro["attention_mask"][:, s - r:].bool(), False)
 
 
 def unpack(values: torch.Tensor, keep: torch.Tensor, packed: bool) -> torch.Tensor:

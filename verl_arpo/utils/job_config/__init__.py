@@ -98,29 +98,35 @@ class Batching:
     mini_batch: int | None = None
     """trajectories per optimizer step on this worker (updates only)."""
 
+    # Under Ulysses sequence parallelism (sp = S > 1) the S ranks of an sp group hold one batch between
+    # them: a "worker" here is a data-parallel replica (world ÷ S of them), and a token budget "per
+    # gpu" is S× that per micro-batch, since each rank holds 1/S of its tokens (verl's meaning).
     @classmethod
-    def for_update(cls, section: "ActorConfig | CriticConfig", n: int, world: int) -> "Batching":
-        """An actor's or critic's update: ppo_mini_batch_size prompts × n ÷ world trajectories per step."""
-        return cls(_micro_per_worker(section.ppo_micro_batch_size, section.ppo_micro_batch_size_per_gpu, world),
-                   bool(section.use_dynamic_bsz), int(section.ppo_max_token_len_per_gpu),
-                   mini_batch=int(section.ppo_mini_batch_size) * int(n) // int(world))
+    def for_update(cls, section: "ActorConfig | CriticConfig", n: int, world: int, sp: int = 1) -> "Batching":
+        """An actor's or critic's update: ppo_mini_batch_size prompts × n ÷ (world ÷ sp) trajectories per step."""
+        dp = int(world) // int(sp)
+        return cls(_micro_per_worker(section.ppo_micro_batch_size, section.ppo_micro_batch_size_per_gpu, dp),
+                   bool(section.use_dynamic_bsz), int(section.ppo_max_token_len_per_gpu) * int(sp),
+                   mini_batch=int(section.ppo_mini_batch_size) * int(n) // dp)
 
     @classmethod
-    def for_log_prob(cls, section: "RolloutSection | RefConfig", world: int) -> "Batching":
+    def for_log_prob(cls, section: "RolloutSection | RefConfig", world: int, sp: int = 1) -> "Batching":
         """A log-prob pass from its log_prob_* keys (rollout: the actor's old log-probs; ref)."""
         return cls(_micro_per_worker(section.log_prob_micro_batch_size, section.log_prob_micro_batch_size_per_gpu,
-                                     world), bool(section.log_prob_use_dynamic_bsz), int(section.log_prob_max_token_len_per_gpu))
+                                     int(world) // int(sp)), bool(section.log_prob_use_dynamic_bsz),
+                   int(section.log_prob_max_token_len_per_gpu) * int(sp))
 
     @classmethod
-    def for_values(cls, critic: "CriticConfig", world: int) -> "Batching":
+    def for_values(cls, critic: "CriticConfig", world: int, sp: int = 1) -> "Batching":
         """The critic's value pass: its micro size, forward_max_token_len_per_gpu."""
-        return cls(_micro_per_worker(critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu, world),
-                   bool(critic.use_dynamic_bsz), int(critic.forward_max_token_len_per_gpu))
+        return cls(_micro_per_worker(critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu,
+                                     int(world) // int(sp)),
+                   bool(critic.use_dynamic_bsz), int(critic.forward_max_token_len_per_gpu) * int(sp))
 
 
-def _micro_per_worker(global_size: int | None, per_gpu: int, world: int) -> int:
-    """verl's deprecated global micro batch (over all workers) wins when it is set."""
-    return int(global_size) // world if global_size is not None else int(per_gpu)
+def _micro_per_worker(global_size: int | None, per_gpu: int, dp: int) -> int:
+    """verl's deprecated global micro batch (over all data-parallel replicas) wins when it is set."""
+    return int(global_size) // dp if global_size is not None else int(per_gpu)
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,11 @@ class Derived:
     meaning they have in the YAML, and whatever a worker needs in other units is a field here."""
 
     world_size: int
-    """trainer.nnodes × trainer.n_gpus_per_node: data-parallel workers."""
+    """trainer.nnodes × trainer.n_gpus_per_node: the ranks of the actor (and of the critic)."""
+    actor_sp: int
+    """actor.ulysses_sequence_parallel_size: ranks per actor sp group (world ÷ actor_sp data-parallel replicas)."""
+    critic_sp: int
+    """critic.ulysses_sequence_parallel_size."""
     kl_loss_active: bool
     """actor.use_kl_loss and kl_loss_coef ≠ 0 (core_algos.kl_term_active)."""
     kl_in_reward_active: bool
@@ -175,12 +185,13 @@ class JobConfig:
         trajectories = int(self.data.train_batch_size) * n
         on_policy = (a.skip_old_log_prob_on_policy and a.ppo_epochs == 1 and a.ppo_mini_batch_size * n >= trajectories
                      and not kl_reward)
+        asp, csp = max(1, int(a.ulysses_sequence_parallel_size)), max(1, int(c.ulysses_sequence_parallel_size))
         return Derived(
-            world_size=world, kl_loss_active=kl_loss, kl_in_reward_active=kl_reward,
+            world_size=world, actor_sp=asp, critic_sp=csp, kl_loss_active=kl_loss, kl_in_reward_active=kl_reward,
             need_ref=kl_loss or kl_reward, need_critic=algo.adv_estimator == "gae", on_policy=on_policy,
-            actor_update=Batching.for_update(a, n, world), actor_log_prob=Batching.for_log_prob(r, world),
-            ref_log_prob=Batching.for_log_prob(ref, world), critic_update=Batching.for_update(c, n, world),
-            critic_values=Batching.for_values(c, world))
+            actor_update=Batching.for_update(a, n, world, asp), actor_log_prob=Batching.for_log_prob(r, world, asp),
+            ref_log_prob=Batching.for_log_prob(ref, world, asp), critic_update=Batching.for_update(c, n, world, csp),
+            critic_values=Batching.for_values(c, world, csp))
 
     @classmethod
     def from_mapping(cls, data: Any) -> "JobConfig":
@@ -226,7 +237,10 @@ class JobConfig:
         out: Problems = []
         t, d, ar = self.trainer, self.data, self.actor_rollout_ref
         if d.train_batch_size >= 1 and ar.rollout.n >= 1 and t.nnodes >= 1 and t.n_gpus_per_node >= 1:
-            out += _batch_problems(self)
+            sp_problems = _sequence_parallel_problems(self)
+            out += sp_problems
+            if not sp_problems:  # the batch arithmetic divides by world ÷ S
+                out += _batch_problems(self)
         one_seq = d.max_prompt_length + d.max_response_length
         for flag, budget, key in (
                 (ar.actor.use_dynamic_bsz, ar.actor.ppo_max_token_len_per_gpu, f"{AR}.actor.ppo_max_token_len_per_gpu"),
@@ -270,14 +284,46 @@ def _batch_problems(job: JobConfig) -> Problems:
         out.append(("data.train_batch_size", f"train_batch_size × rollout.n = {bsz} × {n} = {bsz * n} trajectories "
                     f"do not split evenly over {world} workers (trainer.n_gpus_per_node × trainer.nnodes): "
                     "change the batch size, rollout.n or the worker count"))
-    out += _mini_batch_problems(job.actor_rollout_ref.actor, f"{AR}.actor", bsz, n, world)
+    actor_dp = world // job.derived.actor_sp
+    out += _mini_batch_problems(job.actor_rollout_ref.actor, f"{AR}.actor", bsz, n, actor_dp)
     for where, section in ((f"{AR}.rollout", job.actor_rollout_ref.rollout), (f"{AR}.ref", job.actor_rollout_ref.ref)):
         old = section.log_prob_micro_batch_size
-        if old is not None and (old < world or old % world):
+        if old is not None and (old < actor_dp or old % actor_dp):
             out.append((f"{where}.log_prob_micro_batch_size", f"(deprecated, global) must be a multiple of the "
-                        f"{world} workers; better set log_prob_micro_batch_size_per_gpu instead"))
+                        f"{actor_dp} data-parallel workers; better set log_prob_micro_batch_size_per_gpu instead"))
     if job.algorithm.adv_estimator == "gae":
-        out += _mini_batch_problems(job.critic, "critic", bsz, n, world)
+        out += _mini_batch_problems(job.critic, "critic", bsz, n, world // job.derived.critic_sp)
+    return out
+
+
+def _sequence_parallel_problems(job: JobConfig) -> Problems:
+    """Ulysses sequence parallelism (docs/sequence_parallel.md): S divides the ranks, the reference
+    shares the actor's mesh, and the sequences are packed (S ranks split a packed row)."""
+    out: Problems = []
+    world, ar = job.derived.world_size, job.actor_rollout_ref
+    a_sp, ref_sp = ar.actor.ulysses_sequence_parallel_size, ar.ref.ulysses_sequence_parallel_size
+    checks = [(f"{AR}.actor", a_sp, ar.model.use_remove_padding, ar.model.attn_implementation,
+               f"{AR}.model")]
+    if job.algorithm.adv_estimator == "gae":
+        c = job.critic
+        checks.append(("critic", c.ulysses_sequence_parallel_size, c.model.use_remove_padding,
+                       c.model.attn_implementation, "critic.model"))
+    for where, size, packed, attn, model in checks:
+        key = f"{where}.ulysses_sequence_parallel_size"
+        if size < 1:
+            continue  # the section's own rule names it
+        if world % size:
+            out.append((key, f"{size} does not divide the {world} ranks (trainer.nnodes × trainer.n_gpus_per_node): "
+                        "the ranks form (data parallel) × (sequence parallel) groups"))
+        if size > 1 and not packed:
+            out.append((key, f"{size} splits packed sequences: set {model}.use_remove_padding=true"))
+        if size > 1 and attn is not None and attn not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"):
+            out.append((key, f"{size} runs attention through sdpa or flash attention, not {model}.attn_implementation="
+                        f"{attn}: set it to sdpa, flash_attention_2 or null"))
+    if ref_sp != a_sp and (job.derived.need_ref or ref_sp != 1):
+        out.append((f"{AR}.ref.ulysses_sequence_parallel_size", f"{ref_sp} differs from the actor's {a_sp}: the "
+                    "reference runs in the actor's workers on the same (data, sequence) mesh; leave it at its default "
+                    "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}"))
     return out
 
 

@@ -131,6 +131,7 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 2
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    ulysses_sequence_parallel_size: int = 1
     grad_clip: float | None = 1.0
     max_grad_norm: float | None = None
     clip_ratio: float = 0.2
@@ -174,6 +175,8 @@ class ActorConfig:
         for leaf in ("grad_clip", "max_grad_norm"):
             out += _positive(where, leaf, getattr(self, leaf), "max gradient norm", nullable=True)
         out += _at_least(where, "ppo_epochs", self.ppo_epochs, 1)
+        out += _at_least(where, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size, 1,
+                         "ranks that split one sequence (1 = off)")
         if self.policy_loss.loss_mode not in POLICY_LOSS_REGISTRY:
             out.append((f"{where}.policy_loss.loss_mode", f"unknown {self.policy_loss.loss_mode!r}; accepted: "
                         f"{sorted(POLICY_LOSS_REGISTRY)}"))
@@ -201,6 +204,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    ulysses_sequence_parallel_size: int = 1  # ${actor_rollout_ref.actor.ulysses_sequence_parallel_size}
     fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
 
     def problems(self, where: str) -> Problems:
@@ -230,6 +234,7 @@ class CriticConfig:
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int = 32768
+    ulysses_sequence_parallel_size: int = 1
     ppo_epochs: int = 1
     shuffle: bool = False
     grad_clip: float | None = 1.0
@@ -242,4 +247,6 @@ class CriticConfig:
         if not self.model.path:
             out.append((where, "adv_estimator=gae needs a critic: give critic.model.path (and the critic section "
                         "of ppo_trainer.yaml), or use algorithm.adv_estimator=grpo"))
+        out += _at_least(where, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size, 1,
+                         "ranks that split one sequence (1 = off)")
         return out + self.optim.problems(f"{where}.optim") + update_sizes_problems(self, where)

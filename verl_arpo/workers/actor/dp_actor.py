@@ -44,15 +44,16 @@ from verl_arpo.utils.torch_functional import (
     logprobs_from_logits,
 )
 from verl_arpo.utils.progress import Progress
+from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.host_memory import HOST_MEMORY
 from verl_arpo.workers.optim_step import clip_grad_and_step
+from verl_arpo.workers.sequence_parallel import enable_ulysses_attention
 from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
     global_loss_counts,
     packing_supported,
     prefix_sharing_supported,
     response_forward,
-    unpack,
     warn_if_dense_packing,
     warn_once)
 
@@ -73,7 +74,9 @@ class DataParallelPPOActor:
     use_prefix_sharing: the packed rows as a prefix tree, and token budgets that keep a prompt's rows
     together (`model.use_prefix_sharing`). shuffle_seed: seeds the mini-batch shuffle (actor.shuffle).
     dp_group: the data-parallel process group for loss counts and micro-batch counts (None = the
-    default group). device: where the forward runs (the worker's device; default: the device of the
+    default group; with `sp`, its dp group). sp: Ulysses sequence parallelism (`ulysses_sequence_parallel_size`,
+    verl_arpo.utils.ulysses; needs use_remove_padding): every rank of an sp group holds the same batch,
+    runs 1/S of each packed micro-batch and gets every slot's log-prob back. device: where the forward runs (the worker's device; default: the device of the
     module's parameters). Batches arrive and results leave on the host; each micro-batch moves to
     `device` just before its forward (`to_device`, the worker's device boundary). The reference
     policy is this class too, with no config and no update: it only runs compute_log_prob, which
@@ -83,15 +86,21 @@ class DataParallelPPOActor:
     def __init__(self, config: ActorConfig | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
                  update: Batching | None = None, use_kl_loss: bool = False, use_remove_padding: bool = False,
                  use_prefix_sharing: bool = False, shuffle_seed: int = 0, dp_group=None,
-                 device: torch.device | None = None):
+                 sp: SequenceParallel | None = None, device: torch.device | None = None):
         self.config: ActorConfig = config if config is not None else ActorConfig()  # None: a reference policy
         self.update = update
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
-        self.dp_group = dp_group
+        self.sp = sp if sp is not None and sp.enabled else None
+        self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
         self.use_remove_padding = bool(use_remove_padding)
-        if self.use_remove_padding:
+        if self.sp is not None:
+            if not self.use_remove_padding:
+                raise ValueError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={self.sp.size} splits packed "
+                                 "sequences: set actor_rollout_ref.model.use_remove_padding=true")
+            enable_ulysses_attention(actor_module, self.sp, "actor_rollout_ref.actor")
+        elif self.use_remove_padding:
             ok, why = packing_supported(actor_module)
             if not ok:
                 warn_once("actor_pack", f"use_remove_padding disabled: {why}; using padded batches")
@@ -119,11 +128,11 @@ class DataParallelPPOActor:
         bonus), else it is computed without grad in float32 chunks. Slots past the response are 0.
         """
         r = micro["responses"].shape[-1]
-        logits, keep, packed = response_forward(self.actor_module, micro, r, self.use_remove_padding,
-                                                share_prefix=self.share_prefix)
-        labels = micro["responses"][keep] if packed else micro["responses"]
+        out = response_forward(self.actor_module, micro, r, self.use_remove_padding, share_prefix=self.share_prefix,
+                               sp=self.sp)
+        logits = out.logits
         # the temperature is applied chunk by chunk inside: no scaled copy of the logits
-        log_probs = unpack(logprobs_from_logits(logits, labels, temperature=temperature), keep, packed)
+        log_probs = out.to_slots(logprobs_from_logits(logits, out.labels(micro["responses"]), temperature=temperature))
         entropy = None
         if calculate_entropy:
             if entropy_grad:
@@ -131,7 +140,7 @@ class DataParallelPPOActor:
             else:
                 with torch.no_grad():
                     entropy = entropy_from_logits_with_chunking(logits.detach(), temperature=temperature)
-            entropy = unpack(entropy.to(log_probs.dtype), keep, packed)
+            entropy = out.to_slots(entropy.to(log_probs.dtype))
         return entropy, log_probs
 
     def compute_log_prob(self, data, batching: Batching,

@@ -25,14 +25,15 @@ import torch
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
 from verl_arpo.utils.job_config import Batching, CriticConfig
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
+from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.optim_step import clip_grad_and_step
 from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
     global_loss_counts,
     packing_supported,
     response_forward,
-    unpack,
     warn_if_dense_packing)
+from verl_arpo.workers.sequence_parallel import enable_ulysses_attention
 
 __all__ = ["DataParallelPPOCritic"]
 
@@ -46,22 +47,30 @@ class DataParallelPPOCritic:
     the YAML defaults), its keys in the user's units; packing follows `model.use_remove_padding`.
     update, values: how this rank splits its share of an update and of the value pass (`Batching`,
     from `JobConfig.derived.critic_update` / `.critic_values`). shuffle_seed seeds the mini-batch
-    shuffle. device:
+    shuffle. dp_group: the data-parallel group of the loss and micro-batch counts (None = the default
+    group; with `sp`, its dp group). sp: Ulysses sequence parallelism (critic.ulysses_sequence_parallel_size,
+    as in the actor; needs model.use_remove_padding). device:
     where the forward runs (default: the module's); data comes and values go on the host, each
     micro-batch crossing to `device` just before its forward (`to_device`).
     """
 
     def __init__(self, config: CriticConfig | None, critic_module: torch.nn.Module, critic_optimizer=None,
                  *, update: Batching | None = None, values: Batching, shuffle_seed: int = 0, dp_group=None,
-                 device: torch.device | None = None):
+                 sp: SequenceParallel | None = None, device: torch.device | None = None):
         self.config: CriticConfig = config if config is not None else CriticConfig()
         self.update, self.values = update, values
         self.critic_module = critic_module
         self.device = device if device is not None else module_device(critic_module)
         self.critic_optimizer = critic_optimizer
-        self.dp_group = dp_group
+        self.sp = sp if sp is not None and sp.enabled else None
+        self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
         self.use_remove_padding = bool(self.config.model.use_remove_padding)
-        if self.use_remove_padding:
+        if self.sp is not None:
+            if not self.use_remove_padding:
+                raise ValueError(f"critic.ulysses_sequence_parallel_size={self.sp.size} splits packed sequences: set "
+                                 "critic.model.use_remove_padding=true")
+            enable_ulysses_attention(critic_module, self.sp, "critic")
+        elif self.use_remove_padding:
             ok, why = packing_supported(critic_module)
             if not ok:
                 logger.warning("critic use_remove_padding disabled: %s; using padded batches", why)
@@ -73,8 +82,8 @@ class DataParallelPPOCritic:
     def _forward_micro_batch(self, micro) -> torch.Tensor:
         """V at the response slots [B, R] (0 at slots without a real token)."""
         r = micro["responses"].shape[-1]
-        logits, keep, packed = response_forward(self.critic_module, micro, r, self.use_remove_padding, causal_lm=False)
-        return unpack(logits[..., 0], keep, packed)
+        out = response_forward(self.critic_module, micro, r, self.use_remove_padding, causal_lm=False, sp=self.sp)
+        return out.to_slots(out.logits[..., 0])
 
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R] × response_mask, in the input row order.
