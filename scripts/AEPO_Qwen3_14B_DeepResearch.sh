@@ -43,6 +43,7 @@ VALID_FILES="${VALID_FILES:-[${PARENT_DIR}/rl_datasets/gaia_test.parquet,${PAREN
 # ============================ Model Configuration ============================
 ACTOR_MODEL_PATH="${ACTOR_MODEL_PATH:-<your_14B_model_path>}"   # Hugging Face folder (SFT checkpoint)
 USE_REMOVE_PADDING="${USE_REMOVE_PADDING:-True}"           # packed sequences (needs flash-attn)
+SP_SIZE="${SP_SIZE:-1}"                                      # Ulysses sequence parallel size: GPUs that split one trajectory (docs/sequence_parallel.md)
 
 # ============================ Rollout Configuration ==========================
 ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"  # vllm | hf
@@ -115,6 +116,7 @@ set -o pipefail
     actor_rollout_ref.model.path="${ACTOR_MODEL_PATH}" \
     actor_rollout_ref.model.enable_gradient_checkpointing=True \
     actor_rollout_ref.model.use_remove_padding=${USE_REMOVE_PADDING} \
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=${SP_SIZE} \
     actor_rollout_ref.actor.enable_entropy_balanced_clipping=${ENABLE_ENTROPY_BALANCED_CLIPPING} \
     actor_rollout_ref.actor.enable_entropy_balanced_advantage=${ENABLE_ENTROPY_BALANCED_ADVANTAGE} \
     actor_rollout_ref.actor.optim.lr=1e-6 \

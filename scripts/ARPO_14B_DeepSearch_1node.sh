@@ -43,6 +43,7 @@ VALID_FILES="${VALID_FILES:-[${PARENT_DIR}/rl_datasets/gaia_test.parquet,${PAREN
 # ============================ Model Configuration ============================
 ACTOR_MODEL_PATH="${ACTOR_MODEL_PATH:-<your_14B_model_path>}"   # Hugging Face folder (SFT checkpoint)
 USE_REMOVE_PADDING="${USE_REMOVE_PADDING:-True}"           # packed sequences (needs flash-attn)
+SP_SIZE="${SP_SIZE:-1}"                                      # Ulysses sequence parallel size: GPUs that split one trajectory (docs/sequence_parallel.md)
 
 # ============================ Rollout Configuration ==========================
 ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"  # vllm | hf
@@ -109,6 +110,7 @@ set -o pipefail
     actor_rollout_ref.model.path="${ACTOR_MODEL_PATH}" \
     actor_rollout_ref.model.enable_gradient_checkpointing=True \
     actor_rollout_ref.model.use_remove_padding=${USE_REMOVE_PADDING} \
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=${SP_SIZE} \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     actor_rollout_ref.actor.ppo_mini_batch_size=${PPO_MINI_BATCH_SIZE} \
     actor_rollout_ref.actor.use_dynamic_bsz=True \

@@ -10,6 +10,7 @@ script's override list, so a script whose overrides crash the trainer fails here
 Each run must reach a checkpoint (global_step_2). The step times are printed (`-s` shows them).
 About 25 s a script on 2 cores, so all five are in the default suite.
 """
+import json
 import os
 import re
 import subprocess
@@ -76,6 +77,23 @@ def test_gpu_script_trains_two_steps_on_cpu(script, tiny_model_dir, tmp_path):
         assert re.search(r"^\s+branch_rule: aepo$", cfg.stdout, re.M), cfg.stdout[-3000:]
         assert re.search(r"^\s+enable_dynamic_rollouts: false$", cfg.stdout, re.M)
     assert "KeyError" not in out
+
+
+def test_gpu_script_trains_with_sequence_parallelism(tiny_model_dir, tmp_path):
+    """SP_SIZE=2 on the 2 CPU workers: one sp group splits every packed trajectory of the actor and of
+    the reference (a KL weight makes the reference run); the run trains and checkpoints."""
+    save = tmp_path / "save"
+    env = _env(ACTOR_MODEL_PATH=str(tiny_model_dir), SAVE_PATH=str(save), TRAIN_FILES=str(DATA / "train.parquet"),
+               VALID_FILES=str(DATA / "valid.parquet"), ROLLOUT_NAME="hf", SEARCH_CLASS_PATH=LOCAL_SEARCH,
+               SEARCH_CACHE_PATH=str(tmp_path / "search_cache.sqlite"), SP_SIZE="2", **CPU_SIZES)
+    out = _run("AEPO_Qwen3_14B_DeepResearch.sh", env, save,
+               [*CPU_OVERRIDES, "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.model.attn_implementation=sdpa",
+                "trainer.logger=[console,jsonl]"])
+    assert sorted(re.findall(r"\[sequence parallel\] actor rank (\d): sp rank (\d) of 2, 1 data-parallel", out)) == \
+        [("0", "0"), ("1", "1")], out[-4000:]
+    steps = [json.loads(line) for line in (save / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all("actor/kl_loss" in s and "timing_s/ref" in s for s in steps), sorted(steps[0])
 
 
 @pytest.mark.parametrize("script", GPU_SCRIPTS)

@@ -97,6 +97,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.init_process_group()
         self.device = set_local_device(self.local_rank)
         self.sp = build_sequence_parallel(self.derived.actor_sp, self.device.type)
+        if self.sp.enabled:
+            print(f"[sequence parallel] actor rank {self.rank}: sp rank {self.sp.rank} of {self.sp.size}, "
+                  f"{self.sp.dp_size} data-parallel replicas", flush=True)
         torch.manual_seed(int(seed))  # rank 0's init (LoRA adapters) is broadcast to every rank
         mcfg = self.config.model
         if mcfg.external_lib:  # registers custom model classes with the Auto* factories
@@ -332,6 +335,9 @@ class CriticWorker(Worker, _FSDPModelMixin):
         self.init_process_group()
         self.device = set_local_device(self.local_rank)
         self.sp = build_sequence_parallel(self.derived.critic_sp, self.device.type)
+        if self.sp.enabled:
+            print(f"[sequence parallel] critic rank {self.rank}: sp rank {self.sp.rank} of {self.sp.size}, "
+                  f"{self.sp.dp_size} data-parallel replicas", flush=True)
         torch.manual_seed(int(self.seed))  # the value head's random init, made on rank 0 and broadcast
         mcfg = self.config.model
         tok = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path, trust_remote_code=mcfg.trust_remote_code)
