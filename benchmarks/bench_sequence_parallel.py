@@ -128,9 +128,9 @@ def run_case(model_dir: str, sp: int, rows: int, lengths: list[int], tmp: Path) 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=2, help="trajectories in the micro-batch")
-    p.add_argument("--length", type=int, default=4096, help="tokens per trajectory of the S = 1 vs S = 2 row")
-    p.add_argument("--cap_mib", type=float, default=256.0, help="activation memory per rank for the longest-fit search")
+    p.add_argument("--rows", type=int, default=1, help="trajectories in the micro-batch (one long one by default)")
+    p.add_argument("--length", type=int, default=8192, help="tokens per trajectory of the S = 1 vs S = 2 row")
+    p.add_argument("--cap_mib", type=float, default=512.0, help="activation memory per rank for the longest-fit search")
     p.add_argument("--max_length", type=int, default=16384, help="the longest length the search tries")
     p.add_argument("--quick", action="store_true", help="small sizes (the smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS / "sequence_parallel.json")

@@ -14,7 +14,8 @@ built on the spot). Rows:
                        defaults (eager, seeds, log-probs) measured in the same run (docs/gpu.md, "GPU defaults")
   train:<e>            2 GRPO/ARPO steps of scripts/ARPO_7B_Reasoning_1node.sh on 1 GPU, to a checkpoint;
                        for hf also with param+optimizer offload, and with GAE (critic) + LoRA + packing;
-                       for both with the asynchronous rollout (rollout.mode=async_with_tool)
+                       for both with the asynchronous rollout (rollout.mode=async_with_tool); with hf on 2 GPUs
+                       (where there are 2), Ulysses sequence parallelism SP_SIZE=2 for actor, reference and critic
 
 <e> is hf (our transformers engine) and vllm (when vLLM is installed; else the rows say SKIP).
 Environment: GPU_CHECK_ENGINES (default hf,vllm), GPU_CHECK_VARIANTS (default all), GPU_CHECK_DEVICE (cuda; `cpu` runs the same
@@ -269,7 +270,14 @@ VARIANTS = {
     "gae_lora_packed": ["algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=8",
                         "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"],
     "async": ["actor_rollout_ref.rollout.mode=async_with_tool"],   # no round barriers (both engines)
+    # Ulysses sequence parallelism on 2 GPUs, one sp group: the actor, the reference (a KL weight makes
+    # it run) and the critic split every packed trajectory (docs/sequence_parallel.md)
+    "sp2": ["actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+            "algorithm.adv_estimator=gae", "critic.model.use_remove_padding=True",
+            "critic.ulysses_sequence_parallel_size=2"],
 }
+VARIANT_ENV = {"sp2": dict(N_GPUS_PER_NODE="2", SP_SIZE="2")}
+"""What a variant changes in the launch script's environment (its GPU count, SP_SIZE)."""
 
 
 def _step_metrics(save: Path) -> list[dict]:
@@ -311,6 +319,14 @@ def train_row(name: str, model_dir: str, device: str, work: Path, variant: str =
                SEARCH_CLASS_PATH="verl_arpo.workers.rollout.tools.local_search_tool.LocalSearchTool",
                SEARCH_CACHE_PATH=str(work / f"search_cache_{name}.sqlite"), RAY_USAGE_STATS_ENABLED="0",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", LOGGER="[console, jsonl]")
+    env.update(VARIANT_ENV.get(variant, {}))
+    gpus = int(env["N_GPUS_PER_NODE"])
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < gpus:
+            row(f"train:{label}", "SKIP", f"needs {gpus} GPUs, {torch.cuda.device_count()} visible")
+            return
     overrides = [*VARIANTS[variant], f"trainer.device={device}", "trainer.total_training_steps=2",
                  "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.max_model_len=1024"]
     if device == "cpu":

@@ -40,10 +40,11 @@ def test_gpu_check_passes_on_the_host_with_the_hf_engine(tiny_model_dir, tmp_pat
 
 @pytest.mark.slow
 def test_gpu_check_training_variants_on_the_host(tiny_model_dir, tmp_path):
-    rows = _run(tmp_path, tiny_model_dir, "hf", "offload,gae_lora_packed")
-    assert {"train:hf+offload", "train:hf+gae_lora_packed"} <= set(rows)
+    rows = _run(tmp_path, tiny_model_dir, "hf", "offload,gae_lora_packed,sp2")
+    assert {"train:hf+offload", "train:hf+gae_lora_packed", "train:hf+sp2"} <= set(rows)
     assert all(r["status"] == "PASS" for r in rows.values()), rows
-    assert "critic/vf_loss" in rows["train:hf+gae_lora_packed"]["metrics"]
+    for variant in ("gae_lora_packed", "sp2"):
+        assert "critic/vf_loss" in rows[f"train:hf+{variant}"]["metrics"]
 
 
 @pytest.mark.vllm

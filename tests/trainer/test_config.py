@@ -324,6 +324,42 @@ def test_user_keys_keep_their_meaning_and_worker_sizes_are_derived(good):
     assert parse_logger(job.trainer.logger) == ["console", "jsonl"]
 
 
+def test_sequence_parallel_keys_their_rules_and_derived_sizes(good):
+    """[issue 35] verl's ulysses_sequence_parallel_size keys: the ranks form dp × sp groups, so S divides
+    them, sizes per worker are per data-parallel replica and token budgets per GPU hold S× per micro-batch;
+    the reference shares the actor's mesh; a packed row is what S ranks split."""
+    from verl_arpo.utils.job_config import JobConfig
+
+    A = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    on = ["actor_rollout_ref.model.use_remove_padding=true", f"{A}=2", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    cfg = OmegaConf.merge(good, OmegaConf.from_dotlist(on))
+    validate_config(cfg)
+    job = JobConfig.from_mapping(cfg)
+    d, actor = job.derived, job.actor_rollout_ref.actor
+    assert (d.world_size, d.actor_sp, d.critic_sp) == (2, 2, 1)
+    assert job.actor_rollout_ref.ref.ulysses_sequence_parallel_size == 2  # follows the actor's by interpolation
+    n = job.actor_rollout_ref.rollout.n
+    assert d.actor_update.mini_batch == actor.ppo_mini_batch_size * n // 1  # one replica of 2 ranks
+    assert d.actor_update.max_token_len == 2 * actor.ppo_max_token_len_per_gpu
+    assert d.actor_log_prob.max_token_len == 2 * job.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu
+    assert d.ref_log_prob.max_token_len == 2 * job.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu
+
+    def bad(*extra):
+        return problems_of(OmegaConf.merge(good, OmegaConf.from_dotlist([*on, *extra])))
+
+    assert "does not divide the 2 ranks" in bad(f"{A}=3")[A]
+    assert "must be an integer >= 1" in bad(f"{A}=0")[A]
+    assert "use_remove_padding=true" in bad("actor_rollout_ref.model.use_remove_padding=false")[A]
+    assert "flash_attention_2" in bad("actor_rollout_ref.model.attn_implementation=flex_attention")[A]
+    ref = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"
+    assert "the actor's workers" in bad(f"{ref}=1", "actor_rollout_ref.actor.use_kl_loss=true",
+                                          "actor_rollout_ref.actor.kl_loss_coef=0.1")[ref]
+    C = "critic.ulysses_sequence_parallel_size"
+    gae = ["algorithm.adv_estimator=gae", f"critic.model.path={good.actor_rollout_ref.model.path}", f"{C}=2"]
+    assert "critic.model.use_remove_padding=true" in bad(*gae)[C]
+    validate_config(OmegaConf.merge(good, OmegaConf.from_dotlist([*on, *gae, "critic.model.use_remove_padding=true"])))
+
+
 @pytest.mark.parametrize("use_kl_loss,kl_loss_coef,in_reward,kl_coef,want_loss,want_reward", [
     (True, 0.0, False, 0.001, False, False),   # the seeds' scripts: KL loss switched on with weight 0
     (True, 0.01, False, 0.001, True, False),

@@ -86,7 +86,7 @@ def model_shape(model: str) -> ModelShape:
 @dataclass(frozen=True)
 class JobShape:
     world: int
-    train_tokens: int           # tokens per update micro-batch (ppo_max_token_len_per_gpu, or micro × seq len)
+    train_tokens: int           # tokens per GPU of an update micro-batch (ppo_max_token_len_per_gpu, or micro × seq len ÷ S)
     logprob_tokens: int         # tokens per log-prob micro-batch
     response_fraction: float    # share of a micro-batch's tokens that are response tokens (get logits)
     param_offload: bool
@@ -113,7 +113,8 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
     def tokens(b) -> int:  # one micro-batch's tokens (a Batching of JobConfig.derived)
         return int(b.max_token_len) if b.use_dynamic_bsz else int(b.micro_batch or 1) * seq
 
-    train, logprob, need_ref = tokens(d.actor_update), tokens(d.actor_log_prob), d.need_ref
+    # under Ulysses sequence parallelism a micro-batch holds S x the per-GPU budget and each GPU 1/S of it
+    train, logprob, need_ref = tokens(d.actor_update) // d.actor_sp, tokens(d.actor_log_prob) // d.actor_sp, d.need_ref
     return JobShape(world=d.world_size, train_tokens=train,
                     logprob_tokens=logprob, response_fraction=float(c.data.max_response_length) / seq,
                     param_offload=bool(a.fsdp_config.param_offload), optimizer_offload=bool(a.fsdp_config.optimizer_offload),

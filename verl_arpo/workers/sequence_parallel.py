@@ -13,9 +13,9 @@ How one forward runs on the S ranks of an sp group (every rank holds the same pa
 2. In every attention layer, the model's own module computes q, k, v for its n tokens and calls
    `ulysses_attention` (registered with transformers' AttentionInterface, so no model code is
    forked): an all-to-all turns [all heads, n tokens] into [H/S heads, all S·n tokens], the kernel
-   runs on the whole sequence with the whole mask — sdpa with the block-diagonal causal mask of the
-   packed rows (or the prefix tree's mask) on the CPU, flash attention's varlen path from the global
-   position_ids on a GPU with flash-attn —, and the inverse all-to-all returns [all heads, n tokens].
+   runs on the whole sequence — flash attention's varlen path from the global position_ids on a GPU
+   with flash-attn; on the CPU causal sdpa row by row (the same, with no N × N mask), or sdpa with the
+   prefix tree's mask under use_prefix_sharing —, and the inverse all-to-all returns [all heads, n tokens].
    Heads: q and kv heads are split in S groups; when the kv heads do not split (grouped-query
    attention with fewer kv heads than S, or a count not divisible by S) they are repeated to one
    per query head, and when the query heads do not split, zero heads pad them (their output is
@@ -56,18 +56,17 @@ class _Current:
     sp: SequenceParallel | None = None
     inner: str = "sdpa"
     position_ids: torch.Tensor | None = None  # [1, N] global, for flash's varlen boundaries
-    mask: torch.Tensor | None = None          # [1, 1, N, N] bool: the prefix tree's, or None (built on use)
+    mask: torch.Tensor | None = None          # [1, 1, N, N] bool: the prefix tree's, or None
+    rows: list[tuple[int, int]] | None = None  # [start, end) of each packed row (where positions restart)
 
 
 _CURRENT = _Current()
 
 
-def _packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, N, N] bool: token i sees token j iff both are in the same packed row and j ≤ i
-    (a row starts where position_ids restart at 0)."""
-    seq = (position_ids[0] == 0).cumsum(0)
-    i = torch.arange(seq.numel(), device=seq.device)
-    return ((seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None]))[None, None]
+def _packed_rows(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each packed row: a row starts where position_ids restart at 0."""
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+    return list(zip(starts, starts[1:] + [position_ids.shape[1]]))
 
 
 def _split_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int):
@@ -103,11 +102,14 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         kwargs["position_ids"] = cur.position_ids  # varlen boundaries of the whole packed row
         out, _ = flash_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout, **kwargs)
         out = out.transpose(1, 2)  # [B, N, H/S, D] → [B, H/S, N, D]
-    else:
-        if cur.mask is None:
-            cur.mask = _packed_causal_mask(cur.position_ids)
+    elif cur.mask is not None:  # the prefix tree: its own N x N mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=cur.mask, dropout_p=dropout, scale=scaling,
                                              enable_gqa=q.shape[1] != k.shape[1])
+    else:  # flash attention's varlen, row by row: causal sdpa per packed row keeps memory O(N), no N x N mask
+        gqa = q.shape[1] != k.shape[1]
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout,
+                                                        scale=scaling, is_causal=True, enable_gqa=gqa)
+                         for a, b in cur.rows], dim=2)
     out = seq_all_to_all(out, sp, scatter_dim=2, gather_dim=1)  # [B, H', n, D]
     return out[:, :hq].transpose(1, 2).contiguous(), None
 
@@ -182,6 +184,7 @@ def shard_packed(packed: dict, sp: SequenceParallel) -> SequenceShard:
         raise TypeError("shard_packed: the tree mask must be bool (sdpa's form)")
     n = ids.shape[1] // sp.size
     _CURRENT.sp, _CURRENT.position_ids, _CURRENT.mask = sp, pos, mask
+    _CURRENT.rows = _packed_rows(pos) if mask is None else None
     owner = torch.div(packed["keep_idx"], n, rounding_mode="floor")
     lo = sp.rank * n
     return SequenceShard(input_ids=ids[:, lo:lo + n], position_ids=pos[:, lo:lo + n], owner=owner,

@@ -104,7 +104,7 @@ class Batching:
     @classmethod
     def for_update(cls, section: "ActorConfig | CriticConfig", n: int, world: int, sp: int = 1) -> "Batching":
         """An actor's or critic's update: ppo_mini_batch_size prompts × n ÷ (world ÷ sp) trajectories per step."""
-        dp = int(world) // int(sp)
+        dp = max(1, int(world) // int(sp))  # 0 only for a refused config (S > ranks), which never runs
         return cls(_micro_per_worker(section.ppo_micro_batch_size, section.ppo_micro_batch_size_per_gpu, dp),
                    bool(section.use_dynamic_bsz), int(section.ppo_max_token_len_per_gpu) * int(sp),
                    mini_batch=int(section.ppo_mini_batch_size) * int(n) // dp)
@@ -113,14 +113,14 @@ class Batching:
     def for_log_prob(cls, section: "RolloutSection | RefConfig", world: int, sp: int = 1) -> "Batching":
         """A log-prob pass from its log_prob_* keys (rollout: the actor's old log-probs; ref)."""
         return cls(_micro_per_worker(section.log_prob_micro_batch_size, section.log_prob_micro_batch_size_per_gpu,
-                                     int(world) // int(sp)), bool(section.log_prob_use_dynamic_bsz),
+                                     max(1, int(world) // int(sp))), bool(section.log_prob_use_dynamic_bsz),
                    int(section.log_prob_max_token_len_per_gpu) * int(sp))
 
     @classmethod
     def for_values(cls, critic: "CriticConfig", world: int, sp: int = 1) -> "Batching":
         """The critic's value pass: its micro size, forward_max_token_len_per_gpu."""
         return cls(_micro_per_worker(critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu,
-                                     int(world) // int(sp)),
+                                     max(1, int(world) // int(sp))),
                    bool(critic.use_dynamic_bsz), int(critic.forward_max_token_len_per_gpu) * int(sp))
 
 
