@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import RESULTS, machine_info, print_table, tiny_model, write_json  # noqa: E402
+from bench_common import RESULTS, machine_info, print_table, summary_entry, tiny_model, write_json  # noqa: E402
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=65536)
@@ -126,7 +126,7 @@ def run_case(model_dir: str, sp: int, rows: int, lengths: list[int], tmp: Path) 
             for i in range(len(lengths))]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1, help="trajectories in the micro-batch (one long one by default)")
     p.add_argument("--length", type=int, default=8192, help="tokens per trajectory of the S = 1 vs S = 2 row")
@@ -134,9 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_length", type=int, default=16384, help="the longest length the search tries")
     p.add_argument("--quick", action="store_true", help="small sizes (the smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS / "sequence_parallel.json")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = build_parser().parse_args(argv)
     if a.quick:
-        a.rows, a.length, a.cap_mib, a.max_length = 1, 256, 8.0, 1024
+        a.rows, a.length, a.cap_mib, a.max_length = 1, 256, 24.0, 1024
     search = [n for n in (256 * 2**i for i in range(12)) if n <= a.max_length]
     with tempfile.TemporaryDirectory(prefix="bench_sp_") as d:
         tmp = Path(d)
@@ -158,8 +162,16 @@ def main(argv: list[str] | None = None) -> dict:
                         if r["length"] in search}) for s in (1, 2)]
     print_table(fit_rows, ["sp", "longest_fitting_length", "cap_mib"],
                 f"the longest trajectory whose activations fit {a.cap_mib:g} MiB per rank (lengths doubling from 256)")
+    summary = [
+        summary_entry(f"activation memory per rank, one {a.length}-token update: S=1 / S=2 (MiB)",
+                      same[2]["activation_mib"], same[1]["activation_mib"],
+                      same[1]["activation_mib"] / same[2]["activation_mib"], 1.6),
+        summary_entry("peak RSS rise of the update per rank: S=1 / S=2 (MiB)", same[2]["peak_rise_mib"],
+                      same[1]["peak_rise_mib"], same[1]["peak_rise_mib"] / max(same[2]["peak_rise_mib"], 1e-9), None),
+        summary_entry(f"longest trajectory under {a.cap_mib:g} MiB of activations: S=2 / S=1 (tokens)", fits[2], fits[1],
+                      (fits[2] / fits[1]) if fits[1] and fits[2] else None, 1.6)]
     payload = {"machine": machine_info(), "model": SHAPE, "same_length": row, "longest_fit": fit_rows,
-               "per_length": {f"sp{s}": by_sp[s] for s in (1, 2)}}
+               "per_length": {f"sp{s}": by_sp[s] for s in (1, 2)}, "summary": summary}
     write_json(a.out, payload)
     return payload
 

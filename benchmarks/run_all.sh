@@ -81,6 +81,9 @@ run cpu_efficiency benchmarks/bench_cpu_efficiency.py $(q --quick)
 run weight_sync benchmarks/bench_weight_sync.py
 run vllm_sampling benchmarks/bench_vllm_sampling.py --reps $([[ $QUICK == 1 ]] && echo 2 || echo 3)
 
+# 8. Ulysses sequence parallelism: activation memory of one update at S = 2 against S = 1 (2 gloo ranks)
+run sequence_parallel benchmarks/bench_sequence_parallel.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

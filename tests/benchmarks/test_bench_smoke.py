@@ -98,6 +98,7 @@ SMOKES = {
     "engine_levers": ["bench_engine_levers.py", "--quick"],
     "async_rollout_hf": ["bench_async_rollout.py", "--quick"],
     "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7,8"],
+    "sequence_parallel": ["bench_sequence_parallel.py", "--quick"],
 }
 
 

@@ -386,8 +386,18 @@ def check_compare_algorithms(cmd: Command, args: list[str], tmp: Path) -> None:
     assert set(parsed.algos.split(",")) <= set(mod.ALGO_OVERRIDES), cmd.id
 
 
+def check_bench_sequence_parallel(cmd: Command, args: list[str], tmp: Path) -> None:
+    """Minutes of gloo runs (its --quick run is tests/benchmarks' smoke test): the arguments go through its parser."""
+    mod = load_script_module("benchmarks/bench_sequence_parallel.py")
+    try:
+        mod.build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{cmd.id}: bench_sequence_parallel.py rejects {args}")
+
+
 PY_SCRIPT_CHECKS = {
     "benchmarks/compare_algorithms.py": check_compare_algorithms,
+    "benchmarks/bench_sequence_parallel.py": check_bench_sequence_parallel,
     "scripts/gen_config_docs.py": check_gen_config_docs,
     "merge_ckpt/convert_verl_to_hf.py": check_convert,
 }
