@@ -236,3 +236,16 @@ def test_dp2_sp2_updates_equal_dp2_sp1(model_dirs, tmp_path):
     for step in (0, 1):  # each rank got back the log-probs of its own share, in the dispatcher's order
         torch.testing.assert_close(torch.cat([sp2[r]["rows"][step] for r in range(4)]),
                                    torch.cat([sp1[r]["rows"][step] for r in range(2)]), atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_parallelism_refuses_padded_batches(model_dirs):
+    """S ranks split a packed row: the actor and the critic say which key to set when packing is off
+    (the config check says it first, tests/trainer/test_config.py; this is the worker's own guard)."""
+    from verl_arpo.utils.ulysses import SequenceParallel
+
+    sp = SequenceParallel(size=2, rank=0)  # the check comes before any collective
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.use_remove_padding=true"):
+        DataParallelPPOActor(None, load(model_dirs["kv1"]), use_remove_padding=False, sp=sp)
+    with pytest.raises(ValueError, match=r"critic\.model\.use_remove_padding=true"):
+        DataParallelPPOCritic(critic_module=load_critic(model_dirs["kv1"]), sp=sp,
+                              **critic_kwargs(model={"use_remove_padding": False}))

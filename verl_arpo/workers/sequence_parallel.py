@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism for the training forward (docs/sequence_parallel.md): the model's own
 attention modules, run with a wrapper around their attention kernel, on 1/S of a packed sequence.
 
+    use_sequence_parallel      the actor's / critic's set-up: packed sequences required, attention switched
     enable_ulysses_attention   switch a transformers model to the sequence-parallel attention function
     shard_packed               this rank's 1/S of a packed micro-batch, and which rank scores each slot
     gather_group_data          the S data shares of an sp group → the group's one batch, on every rank
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from verl_arpo.protocol import DataProto
 from verl_arpo.utils.ulysses import SequenceParallel, seq_all_to_all
 
-__all__ = ["ATTENTION_NAME", "SP_INNER_ATTENTION", "attention_kernel", "enable_ulysses_attention", "shard_packed", "SequenceShard",
+__all__ = ["ATTENTION_NAME", "SP_INNER_ATTENTION", "attention_kernel", "enable_ulysses_attention", "use_sequence_parallel", "shard_packed", "SequenceShard",
            "gather_group_data", "local_rows"]
 
 ATTENTION_NAME = "verl_arpo_ulysses"
@@ -151,6 +152,20 @@ def enable_ulysses_attention(module: torch.nn.Module, sp: SequenceParallel, wher
     AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
     model.set_attn_implementation(ATTENTION_NAME)
     _CURRENT.inner = inner
+
+
+def use_sequence_parallel(module: torch.nn.Module, sp: SequenceParallel | None, packed: bool, where: str,
+                          model_where: str) -> SequenceParallel | None:
+    """The actor's and the critic's set-up: None without sequence parallelism (S = 1); else `sp`, once
+    the model's attention runs through the wrapper. Packed sequences are what the S ranks split, so
+    `packed` (use_remove_padding) is required; `where`/`model_where` name the config sections."""
+    if sp is None or not sp.enabled:
+        return None
+    if not packed:
+        raise ValueError(f"{where}.ulysses_sequence_parallel_size={sp.size} splits packed sequences: set "
+                         f"{model_where}.use_remove_padding=true")
+    enable_ulysses_attention(module, sp, where)
+    return sp
 
 
 @dataclass(frozen=True)

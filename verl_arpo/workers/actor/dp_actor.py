@@ -47,7 +47,7 @@ from verl_arpo.utils.progress import Progress
 from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.host_memory import HOST_MEMORY
 from verl_arpo.workers.optim_step import clip_grad_and_step
-from verl_arpo.workers.sequence_parallel import enable_ulysses_attention
+from verl_arpo.workers.sequence_parallel import use_sequence_parallel
 from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
     global_loss_counts,
@@ -92,15 +92,11 @@ class DataParallelPPOActor:
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
-        self.sp = sp if sp is not None and sp.enabled else None
-        self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
         self.use_remove_padding = bool(use_remove_padding)
-        if self.sp is not None:
-            if not self.use_remove_padding:
-                raise ValueError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={self.sp.size} splits packed "
-                                 "sequences: set actor_rollout_ref.model.use_remove_padding=true")
-            enable_ulysses_attention(actor_module, self.sp, "actor_rollout_ref.actor")
-        elif self.use_remove_padding:
+        self.sp = use_sequence_parallel(actor_module, sp, self.use_remove_padding, "actor_rollout_ref.actor",
+                                        "actor_rollout_ref.model")
+        self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
+        if self.sp is None and self.use_remove_padding:
             ok, why = packing_supported(actor_module)
             if not ok:
                 warn_once("actor_pack", f"use_remove_padding disabled: {why}; using padded batches")

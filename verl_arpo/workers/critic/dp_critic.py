@@ -33,7 +33,7 @@ from verl_arpo.workers.training_core import (TokenWeightedMeans,
     packing_supported,
     response_forward,
     warn_if_dense_packing)
-from verl_arpo.workers.sequence_parallel import enable_ulysses_attention
+from verl_arpo.workers.sequence_parallel import use_sequence_parallel
 
 __all__ = ["DataParallelPPOCritic"]
 
@@ -62,15 +62,10 @@ class DataParallelPPOCritic:
         self.critic_module = critic_module
         self.device = device if device is not None else module_device(critic_module)
         self.critic_optimizer = critic_optimizer
-        self.sp = sp if sp is not None and sp.enabled else None
-        self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
         self.use_remove_padding = bool(self.config.model.use_remove_padding)
-        if self.sp is not None:
-            if not self.use_remove_padding:
-                raise ValueError(f"critic.ulysses_sequence_parallel_size={self.sp.size} splits packed sequences: set "
-                                 "critic.model.use_remove_padding=true")
-            enable_ulysses_attention(critic_module, self.sp, "critic")
-        elif self.use_remove_padding:
+        self.sp = use_sequence_parallel(critic_module, sp, self.use_remove_padding, "critic", "critic.model")
+        self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
+        if self.sp is None and self.use_remove_padding:
             ok, why = packing_supported(critic_module)
             if not ok:
                 logger.warning("critic use_remove_padding disabled: %s; using padded batches", why)
