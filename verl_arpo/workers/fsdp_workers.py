@@ -50,11 +50,6 @@ class _FSDPModelMixin:
             self._device_mesh = init_device_mesh(self.device_name, (torch.distributed.get_world_size(),))
         return self._device_mesh
 
-    def _group_batch(self, data: DataProto) -> tuple[DataProto, list[int]]:
-        """Under sequence parallelism the S ranks of an sp group compute one batch: the S shares the
-        dispatcher gave them, gathered (docs/sequence_parallel.md); each returns its own rows after."""
-        return gather_group_data(data, self.sp)
-
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0):
         self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step)
@@ -249,7 +244,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        data, shares = self._group_batch(data)
+        data, shares = gather_group_data(data, self.sp)
         with HOST_MEMORY.phase("log_prob"):
             log_probs, entropy = self.actor.compute_log_prob(data, self.derived.actor_log_prob, calculate_entropy=True)
         maybe_reshard(self.actor_module)
@@ -261,7 +256,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        data, shares = self._group_batch(data)
+        data, shares = gather_group_data(data, self.sp)
         batching = self.derived.ref_log_prob
         if self.lora:  # the reference is the base model: adapters off
             with self.actor_module.disable_adapter():
@@ -276,7 +271,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
-        data, _ = self._group_batch(data)
+        data, _ = gather_group_data(data, self.sp)
         offload = bool(self.config.actor.fsdp_config.optimizer_offload)  # a no-op on the CPU, same path
         if offload:  # the moments go where their parameters are (the host too, under param_offload)
             move_optimizer_state(self.actor_optimizer, None)
@@ -372,14 +367,14 @@ class CriticWorker(Worker, _FSDPModelMixin):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        data, shares = self._group_batch(data)
+        data, shares = gather_group_data(data, self.sp)
         values = self.critic.compute_values(data)
         maybe_reshard(self.critic_module)
         return local_rows(DataProto.from_dict(tensors={"values": values}), shares, self.sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        data, _ = self._group_batch(data)
+        data, _ = gather_group_data(data, self.sp)
         metrics = self.critic.update_critic(data)
         release_host_memory()
         self.lr_scheduler.step()
