@@ -9,19 +9,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 
 import numpy as np
 import torch
 
+from verl_arpo.single_controller.base import find_free_port
+
 FIXED_INPUT = [[5, 17, 42, 99, 7, 300, 12, 64, 8, 33]]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port("127.0.0.1")
 
 
 _PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",

@@ -13,18 +13,16 @@ from __future__ import annotations
 import json
 import os
 
-import socket
-
 import pytest
 import torch
+
+from verl_arpo.single_controller.base import find_free_port
 
 pytestmark = pytest.mark.vllm
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port("127.0.0.1")
 
 
 def _rank(rank, world, port, model_dir, out_dir):

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from verl_arpo.single_controller.base import Worker
+from verl_arpo.single_controller.base import Worker, ephemeral_port_range, find_free_port
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl_arpo.single_controller.ray import resource_pool as rp
@@ -41,9 +41,7 @@ def test_worker_process_group_outside_ray(clean_env):
         w.init_process_group()
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = find_free_port("127.0.0.1")
     clean_env.setenv("MASTER_ADDR", "127.0.0.1")
     clean_env.setenv("MASTER_PORT", str(port))
     try:
@@ -125,3 +123,44 @@ def test_worker_group_argument_checks():
         RayWorkerGroup(pool, RayClassWithInitArgs(Worker), num_cpus_per_worker=2)
     with pytest.raises(ValueError, match="cannot shadow RayWorkerGroup.shutdown"):
         RayWorkerGroup(pool, RayClassWithInitArgs(Clashing))
+
+
+def test_find_free_port_avoids_the_ephemeral_range():
+    """The rendezvous port is drawn below the range the kernel hands to outgoing connections (one of
+    those took a probed port before rank 0 listened on it: EADDRINUSE in CI), and it can be bound."""
+    low, high = ephemeral_port_range()
+    assert 1024 <= low <= high
+    ports = {find_free_port("127.0.0.1") for _ in range(20)}
+    if low - 20000 >= 64:
+        assert all(20000 <= p < low for p in ports)
+        assert len(ports) > 1                       # drawn, not a fixed port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_find_free_port_skips_a_port_in_use(monkeypatch):
+    """A port something listens on is never returned: with the band shrunk to 64 ports, all but one
+    of them taken, every draw returns the free one or falls back to an OS-picked port."""
+    low, _ = ephemeral_port_range()
+    base = find_free_port("127.0.0.1")
+    if not 20000 <= base < low - 64:
+        pytest.skip("no band below the ephemeral range on this host")
+    holders = []
+    for port in range(base, base + 64):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            holders.append(s)
+        except OSError:
+            s.close()
+    try:
+        monkeypatch.setattr("verl_arpo.single_controller.base._FIRST_PORT", base)
+        monkeypatch.setattr("verl_arpo.single_controller.base.ephemeral_port_range", lambda: (base + 64, 60999))
+        held = {h.getsockname()[1] for h in holders}
+        for _ in range(10):
+            assert find_free_port("127.0.0.1") not in held
+    finally:
+        for h in holders:
+            h.close()

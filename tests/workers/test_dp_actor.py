@@ -7,13 +7,13 @@ import logging
 import copy
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from verl_arpo.protocol import DataProto
+from verl_arpo.single_controller.base import find_free_port
 from verl_arpo.trainer.ppo.core_algos import get_policy_loss_fn
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
@@ -320,9 +320,7 @@ def test_minibatches_epochs_and_clip(model):
 # 2-process FSDP2 on gloo: DP=2 with half the mini-batch each equals one process on the whole
 # --------------------------------------------------------------------------------------------
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return find_free_port("127.0.0.1")
 
 
 def _fsdp_rank(rank, world, port, model_dir, data_path, out_path):

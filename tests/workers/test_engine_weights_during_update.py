@@ -11,11 +11,12 @@ on a 1-rank gloo group) driven by the real trainer step.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from verl_arpo.single_controller.base import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,9 +74,7 @@ def _engine_equals_actor(worker) -> None:
 
 @pytest.fixture
 def one_rank_env(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = find_free_port("127.0.0.1")
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(port)).items():
         monkeypatch.setenv(k, v)

@@ -27,6 +27,7 @@ How this differs from verl's ``Worker``:
 from __future__ import annotations
 
 import os
+import random
 import socket
 from datetime import timedelta
 from typing import Any
@@ -71,12 +72,45 @@ def find_master_addr_port() -> tuple[str, int]:
     return node_ip_address(), find_free_port()
 
 
-def find_free_port() -> int:
-    """A TCP port that is free on this node right now (the OS picks it; it is released at once,
-    so another process could take it before the rendezvous — unlikely, and then the group fails
-    loudly at ``init_process_group``)."""
+# Ray's workers listen on 10002-19999 by default (``--min/max-worker-port``); we pick above them.
+_FIRST_PORT = 20000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports it assigns by itself (``bind(0)`` and the source port of every
+    outgoing connection): Linux's ``ip_local_port_range``, else the common default 32768-60999."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as handle:
+            low, high = (int(v) for v in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def find_free_port(host: str = "") -> int:
+    """A TCP port that is free on this node right now, for a rendezvous another process opens later.
+
+    Picked at random *below* the kernel's ephemeral range (and above Ray's worker ports): a port in
+    that range can be handed out as the source port of any outgoing connection between this probe
+    and the moment rank 0 listens on it — Ray opens many —, which failed a CI run with EADDRINUSE in
+    ``init_process_group``. Outside it only another listener can take the port. Falls back to a port
+    the OS picks when that band is empty or full. ``SystemRandom``: training seeds ``random``, and
+    two groups seeded alike must not draw the same port.
+    """
+    low, _ = ephemeral_port_range()
+    draw = random.SystemRandom()
+    if low - _FIRST_PORT >= 64:
+        for _ in range(64):
+            port = draw.randrange(_FIRST_PORT, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
