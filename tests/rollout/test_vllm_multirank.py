@@ -21,10 +21,6 @@ from verl_arpo.single_controller.base import find_free_port
 pytestmark = pytest.mark.vllm
 
 
-def _free_port() -> int:
-    return find_free_port("127.0.0.1")
-
-
 def _rank(rank, world, port, model_dir, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false")
     torch.set_num_threads(1)
@@ -84,7 +80,7 @@ def test_two_ranks_each_generate_sync_and_match_the_hf_engine(tmp_path):
     from verl_arpo.utils.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "model", seed=0, hidden_size=128, intermediate_size=256)
-    mp.start_processes(_rank, args=(2, _free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_rank, args=(2, find_free_port("127.0.0.1"), model_dir, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for g in got:
