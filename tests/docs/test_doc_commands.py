@@ -395,8 +395,19 @@ def check_bench_sequence_parallel(cmd: Command, args: list[str], tmp: Path) -> N
         pytest.fail(f"{cmd.id}: bench_sequence_parallel.py rejects {args}")
 
 
+def check_decision_margins(cmd: Command, args: list[str], tmp: Path) -> None:
+    """Needs trained models' reports (its run on a tiny model is tests/benchmarks/test_decision_margins.py):
+    the arguments go through its parser and its checks."""
+    mod = load_script_module("benchmarks/decision_margins.py")
+    try:
+        mod.parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{cmd.id}: decision_margins.py rejects {args}")
+
+
 PY_SCRIPT_CHECKS = {
     "benchmarks/compare_algorithms.py": check_compare_algorithms,
+    "benchmarks/decision_margins.py": check_decision_margins,
     "benchmarks/bench_sequence_parallel.py": check_bench_sequence_parallel,
     "scripts/gen_config_docs.py": check_gen_config_docs,
     "merge_ckpt/convert_verl_to_hf.py": check_convert,
