@@ -6,9 +6,11 @@ greedy evaluation every question whose SFT margin at that token was small then f
 on the test split, from next-token probabilities of the model (one forward pass per question and
 decision, fp32, no sampling):
 
-- the first decision, P(`--first_choice` | prompt + `--first_prefix`): on the bundled task the
-  greedy openings of all three task types run through `<think> I will`, and the next token picks
-  the tool (" search", or " calculate" / " compute" / " use" Python);
+- the first decision, P(search first) = the sum over `--first_choice` of P(choice | prompt +
+  `--first_prefix`): the prefix is where the model's greedy openings split by tool (the SFT model of
+  12 steps opens `<think> I will` and then " search" / " look" up, or " calculate" / " compute" /
+  " use" Python; the one of 24 steps opens `<think> Let me` with the same verbs), the choices are
+  the words that open a search;
 - the decision after the first tool result, P(answer now) = P(` <answer`) / (P(` <answer`) + P(` <think`))
   after the model's own greedy text up to its first `</result>` (from `--own_eval`, the model's
   main_eval report): answer now (right for a lookup) or think on towards another call.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -125,7 +128,7 @@ def load_report(path: str | Path) -> dict[int, dict]:
 
 
 def probe(scorer: ChoiceScorer, rows: list[dict], own: dict[int, dict] | None, first_prefix: str,
-          first_choice: str, template_kwargs: dict | None = None) -> list[dict]:
+          first_choices: list[str], template_kwargs: dict | None = None) -> list[dict]:
     """Per question: its task type, P(first choice) and, where its own greedy text has a tool
     result, P(answer now) after it."""
     from verl_arpo.utils.chat_template import render_chat
@@ -135,13 +138,15 @@ def probe(scorer: ChoiceScorer, rows: list[dict], own: dict[int, dict] | None, f
     out = []
     for i, (row, prompt) in enumerate(zip(rows, prompts)):
         rec = {"index": i, "data_source": row["data_source"],
-               "p_first": scorer.probs(prompt + first_prefix, [first_choice])[0], "p_answer_now": None}
+               "p_first": sum(scorer.probs(prompt + first_prefix, first_choices)), "p_answer_now": None}
         mine = (own or {}).get(i)
         if mine is not None:
             if mine["question"] != row["question"]:
-                raise ValueError(f"own_eval's question {i} is {mine['question']!r}, the test split's {row['question']!r}: "
+                raise ValueError(f"own_eval's question {i} is {mine['question']!r}, "
+                                 f"the test split's {row['question']!r}: "
                                  "give the report of this test split")
             rec["first_tool"] = first_tool(mine)
+            rec["opening"] = " ".join(mine["text"].split()[:3])  # where its greedy openings split: --first_prefix
             rec["correct"] = bool(mine["correct"])
             if RESULT_END in mine["text"]:
                 head = mine["text"].split(RESULT_END)[0] + RESULT_END
@@ -162,6 +167,10 @@ def margin_table(recs: list[dict]) -> list[dict]:
                      "p_answer_now_median": statistics.median(pa) if pa else None,
                      "p_answer_now_in_0.2_0.8": sum(0.2 <= p <= 0.8 for p in pa) / len(pa) if pa else None,
                      "with_a_result": len(pa)})
+        openings = Counter(r["opening"] for r in mine if "opening" in r)
+        if openings:
+            text, n = openings.most_common(1)[0]
+            rows[-1]["greedy_opening"] = f"{text!r} {n / len(mine):.0%}"
     return rows
 
 
@@ -190,10 +199,12 @@ def parse_args(argv=None):
     p.add_argument("--trained", action="append", default=[], metavar="NAME=EVAL.json",
                    help="a trained model's main_eval report on --test_file; repeatable")
     p.add_argument("--first_prefix", default="<think> I will")
-    p.add_argument("--first_choice", default=" search")
+    p.add_argument("--first_choice", action="append", default=None,
+                   help="a word that opens a search after --first_prefix; repeatable (default: ' search', ' look')")
     p.add_argument("--limit", type=int, default=None, help="the first N test questions only")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decision_margins.json"))
     a = p.parse_args(argv)
+    a.first_choice = a.first_choice or [" search", " look"]
     if a.trained and not a.own_eval:
         p.error("--trained needs --own_eval: flips are counted against this model's own greedy answers")
     for spec in a.trained:
@@ -222,9 +233,11 @@ def main(argv=None) -> dict:
     print_table(margins, list(margins[0]), f"decision margins of {a.model} ({len(recs)} questions)")
     flips = flip_table(recs, trained) if own else []
     if flips:
-        print_table(flips, list(flips[0]), "flips against this model's own greedy answers, by band of the first decision")
+        print_table(flips, list(flips[0]),
+                    "flips against this model's own greedy answers, by band of the first decision")
     payload = {"model": str(a.model), "test_file": a.test_file, "first_prefix": a.first_prefix,
-               "first_choice": a.first_choice, "shared_prefix_tokens": len(scorer.shared), "own_eval": a.own_eval, "trained": a.trained,
+               "first_choice": a.first_choice, "shared_prefix_tokens": len(scorer.shared),
+               "own_eval": a.own_eval, "trained": a.trained,
                "machine": machine_info(), "margins": margins, "flips": flips, "questions": recs}
     write_json(a.out, payload)
     return payload

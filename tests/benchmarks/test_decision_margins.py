@@ -96,7 +96,8 @@ def test_probe_matches_a_reference_loop_and_counts_flips_by_hand(tiny, tmp_path)
     assert [r["data_source"] for r in recs] == [r["data_source"] for r in rows]
     for r, row, s in zip(recs, rows, own):
         prompt = render_chat(tok, row["messages"], True)
-        assert r["p_first"] == pytest.approx(_reference_prob(model, tok, prompt + "<think> I will", " search"), rel=1e-4)
+        p_first = sum(_reference_prob(model, tok, prompt + "<think> I will", c) for c in (" search", " look"))
+        assert r["p_first"] == pytest.approx(p_first, rel=1e-4)
         if "</result>" in s["text"]:
             head = prompt + s["text"].split("</result>")[0] + "</result>"
             pa, pt = (_reference_prob(model, tok, head, c) for c in (" <answer", " <think"))
