@@ -81,7 +81,8 @@ class ChoiceScorer:
 
     def probs(self, prefix: str, choices: list[str]) -> list[float]:
         """One probability per choice. The prefix and each choice are tokenized apart, as the
-        decision is taken at the token boundary where the prefix ends."""
+        decision is taken at the token boundary where the prefix ends. The prefix runs once; a
+        choice of several tokens runs its tokens but the last on a copy of the prefix's cache."""
         import copy
 
         torch = self.torch
@@ -89,17 +90,23 @@ class ChoiceScorer:
         n = len(self.shared) if self.cache is not None and pre[:len(self.shared)] == self.shared else 0
         if n == len(pre):
             n = 0  # no token left to run after the shared ones: no cache
-        out = []
+        with torch.no_grad():
+            out = self.model(torch.tensor([pre[n:]]), past_key_values=copy.deepcopy(self.cache) if n else None,
+                             use_cache=True)
+        first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        probs = []
         for choice in choices:
             ids = self.encode(choice)
             if not ids:
                 raise ValueError(f"choice {choice!r} encodes to no token")
-            with torch.no_grad():
-                past = copy.deepcopy(self.cache) if n else None
-                logits = self.model(torch.tensor([pre[n:] + ids]), past_key_values=past).logits[0].float()
-            logp = torch.log_softmax(logits[len(pre) - n - 1:-1], dim=-1)
-            out.append(float(torch.exp(logp.gather(1, torch.tensor(ids)[:, None]).sum())))
-        return out
+            logp = first[ids[0]]
+            if len(ids) > 1:
+                with torch.no_grad():
+                    past = copy.deepcopy(out.past_key_values)
+                    rest = self.model(torch.tensor([ids[:-1]]), past_key_values=past).logits
+                logp = logp + torch.log_softmax(rest[0].float(), dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum()
+            probs.append(float(torch.exp(logp)))
+        return probs
 
 
 def common_prefix(seqs: list[list[int]]) -> list[int]:
