@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 IP = shutil.which("ip") or "/usr/sbin/ip"
 
-# Environment of every Ray process and driver we start. RAY_AUTH_MODE=token: `ray start --head`
-# turns token authentication on by default (the token lives in ~/.ray/auth_token, created by the
-# head if missing); the worker node and the drivers must say so too or the GCS refuses them.
+# Environment of every Ray process and driver we start. RAY_AUTH_MODE=token: the head runs with
+# token authentication (the token lives in ~/.ray/auth_token; `ray start` does not create it, so
+# start_ray generates it first); the worker node and the drivers must say so too or the GCS refuses them.
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "token",
@@ -196,6 +196,7 @@ class TwoHosts:
         common = [f"--node-ip-address={ADDR[host]}", "--num-cpus=2", "--disable-usage-stats",
                   f"--temp-dir={RAY_TMP / ('ray_' + host)}", "--object-store-memory=200000000"]
         if host == "a":
+            self.run_in(host, [ray, "get-auth-token", "--generate"], timeout=120)  # as docs/multinode.md says
             argv = [ray, "start", "--head", f"--port={RAY_PORT}", "--include-dashboard=false", *common]
         else:
             argv = [ray, "start", f"--address={self.address}", *common]

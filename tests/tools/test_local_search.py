@@ -113,3 +113,45 @@ def test_the_references_bing_cache_never_answers_for_bm25(tmp_path, gen, caplog)
     tool.close()
     assert answer == plain and "Bing" not in answer
     assert "not importing" in caplog.text and "Bing tool's answers" in caplog.text
+
+
+JAX_STAND_IN = '''
+import json, os, numpy as np
+LOG = os.environ["JAX_STAND_IN_LOG"]
+
+def top_k(x, k):  # what jax.lax.top_k returns, recorded with the platform JAX would have chosen
+    with open(LOG, "a") as f:
+        f.write(json.dumps({"platforms": os.environ.get("JAX_PLATFORMS"), "n": int(np.size(x))}) + "\\n")
+    idx = np.argsort(-np.asarray(x), kind="stable")[:k]
+    return np.asarray(x)[idx], idx
+'''
+
+
+@pytest.mark.parametrize("user_platforms", [None, "cuda"])
+def test_bm25s_keeps_an_installed_jax_off_the_gpu(tmp_path, user_platforms):
+    """bm25s imports JAX where installed and runs jax.lax.top_k at import, which on a GPU machine
+    preallocates 75% of the GPU in the training worker (seen on an H200). JAX is not installable
+    here, so a stand-in `jax` package records the JAX_PLATFORMS each top_k call ran under: the
+    import-time call must run with JAX on the CPU (a user's own setting is kept), and retrieval
+    itself must not call JAX at all (numpy's top-k, the same with or without JAX)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("from . import lax\n")
+    (tmp_path / "jax" / "lax.py").write_text(JAX_STAND_IN)
+    log = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(PYTHONPATH=f"{tmp_path}:{ROOT}", JAX_STAND_IN_LOG=str(log))
+    if user_platforms:
+        env["JAX_PLATFORMS"] = user_platforms
+    code = ("from verl_arpo.workers.rollout.tools.local_search_tool import LocalSearchTool\n"
+            "t = LocalSearchTool(max_results=3)\n"
+            "import sys; assert 'jax' in sys.modules\n"
+            "print(len(t.search('capital city river mountain')))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.split()[-1]) > 0                     # the search answered
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert calls == [{"platforms": user_platforms or "cpu", "n": 5}], calls   # bm25s's import-time call only

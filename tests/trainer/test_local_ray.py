@@ -50,6 +50,24 @@ def test_the_head_runs_in_its_own_session_and_stop_leaves_nothing():
     assert _wait_gone(sid) == [] and not head.temp_dir.exists()
 
 
+def test_a_machine_where_ray_never_ran_gets_a_token_and_the_head_starts(tmp_path, monkeypatch):
+    """Token mode on a HOME without ~/.ray/auth_token (a fresh GPU node): `ray start` alone refuses
+    to start there; the head creates the token first, keeps it out of its log, and reuses it."""
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    token_file = tmp_path / ".ray" / "auth_token"
+    head = LocalRayHead(num_cpus=1, env={"HOME": str(tmp_path), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        head.start()
+        token = token_file.read_text().strip()
+        assert len(token) >= 32, token_file
+        assert token not in head.log.read_text()
+        head.ensure_auth_token()                     # a second run finds it: not written again
+        assert token_file.read_text().strip() == token
+    finally:
+        head.stop()
+
+
 def test_the_head_dies_with_a_driver_killed_outright(tmp_path):
     """A driver that never reaches stop() (SIGKILL, or the preemption watchdog's os._exit): the
     kernel's parent-death signal stops the head, and the head stops its daemons."""

@@ -71,7 +71,24 @@ class LocalRayHead:
                "--disable-usage-stats", f"--temp-dir={self.temp_dir}"]
         return cmd + ([f"--num-cpus={int(self.num_cpus)}"] if self.num_cpus else [])
 
+    def ensure_auth_token(self) -> None:
+        """In token mode, make sure a token exists before `ray start`: the head refuses to start
+        without one and, unlike `ray.init()`, does not create it, so a machine where Ray never ran
+        (a fresh GPU node, a new user's HOME) failed the first run. `ray get-auth-token --generate`
+        writes ~/.ray/auth_token only when none is found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH and the
+        file are looked at first); it prints the token, which is a secret, so its stdout is dropped."""
+        if self.env.get("RAY_AUTH_MODE", "").lower() != "token":
+            return
+        r = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+                           env=self.env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError("the local Ray head needs an authentication token (RAY_AUTH_MODE=token) and "
+                               f"`ray get-auth-token --generate` failed (exit {r.returncode}):\n{r.stderr[-2000:]}\n"
+                               "Create one with `ray get-auth-token --generate`, or set RAY_AUTH_MODE=disabled "
+                               "on a machine no one else can reach.")
+
     def start(self, timeout_s: float = 300.0) -> str:
+        self.ensure_auth_token()
         port = _free_port()
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(self.command(port), stdout=out, stderr=subprocess.STDOUT, env=self.env,

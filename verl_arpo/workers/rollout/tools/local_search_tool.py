@@ -10,11 +10,19 @@ same shape of result as with web search, and it can use the same persistent cach
 Documents are JSON lines ``{"id", "title", "text"}``; title and text are indexed together with
 bm25s (lower-cased word tokens, English stop words, no stemming). Documents with a zero score are
 not returned, so a query sharing no word with the corpus gets "No search results found.".
+
+bm25s imports JAX where it is installed and runs a JAX operation at import: on a GPU machine JAX
+then preallocates 75% of the GPU (its default) inside the training worker that builds this tool --
+107 GiB of an H200 in scripts/gpu_check.sh (docs/gpu.md, "Verify on your GPU"). Top-k of a few
+thousand scores needs no GPU, so JAX is kept on the CPU here unless the user set JAX_PLATFORMS,
+and retrieval takes numpy's top-k, the same on every machine whether JAX is installed or not.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,15 @@ def resolve_path(path: str | Path) -> Path:
     from verl_arpo.utils.resources import resolve_bundled
 
     return resolve_bundled(path)
+
+
+def import_bm25s():
+    """bm25s, imported with JAX (if installed and not yet imported) kept off the GPU (module docstring)."""
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s  # imported here: only this tool needs it
+
+    return bm25s
 
 
 def load_corpus(path: str | Path) -> list[dict[str, str]]:
@@ -67,7 +84,7 @@ class LocalSearchTool(BaseTool):
         async_cache_write: bool = False,
         **_ignored: Any,  # Bing-only keys (api_key, zone, location) when a config swaps the class
     ):
-        import bm25s  # imported here: only this tool needs it
+        bm25s = import_bm25s()
 
         self._bm25s = bm25s
         self.corpus_path = str(resolve_path(corpus_path))
@@ -99,7 +116,7 @@ class LocalSearchTool(BaseTool):
         if not q[0]:
             return []
         with self._lock:
-            idx, scores = self.index.retrieve(q, k=k, show_progress=False, n_threads=1)
+            idx, scores = self.index.retrieve(q, k=k, show_progress=False, n_threads=1, backend_selection="numpy")
         return [dict(self.docs[int(i)], score=float(s)) for i, s in zip(idx[0], scores[0]) if s > 0]
 
     def run(self, content: str) -> str:
