@@ -53,6 +53,7 @@ from verl_arpo.quickstart import (  # noqa: E402  (after the path set-up: runs a
     ALGO_OVERRIDES,
     STAGE_ENV,
     PRECISIONS,
+    SFT_STEPS,
     eval_args,
     eval_command,
     merge_command,
@@ -60,7 +61,9 @@ from verl_arpo.quickstart import (  # noqa: E402  (after the path set-up: runs a
     rl_command,
     run_logged,
     say,
-    sft_command,
+    sft_model_matches,
+    sft_record,
+    train_sft,
 )
 
 ALGOS = ("grpo", "arpo", "aepo")
@@ -255,10 +258,15 @@ class Experiment:
         across calls). A store that already holds this very model (same sha256 and precision) gives
         its evaluation: a fresh clone retrains the SFT model (deterministic) but does not evaluate it again."""
         sft_dir, report = self.out / "sft_model", self.out / "eval_sft.json"
-        if not (sft_dir / "config.json").exists():
-            shutil.rmtree(sft_dir, ignore_errors=True)
-            run_logged(sft_command(self.base_model(), sft_dir, self.sft_steps, precision=self.precision),
-                       self.out / "logs" / "sft.log", self.env)
+        record = sft_record(self.sft_steps, 1, self.precision)
+        if not sft_model_matches(sft_dir, record):   # none yet, or trained with other arguments
+            report.unlink(missing_ok=True)
+            runs = self.out / "runs"
+            if runs.exists():  # trained from another SFT model: never to be paired with this one's
+                aside = self.out / time.strftime("runs_before_%Y%m%d_%H%M%S")
+                say(f"SFT model changes ({record}): the runs made from the previous one move to {aside}")
+                runs.rename(aside)
+            train_sft(self.base_model(), sft_dir, record, self.out / "logs" / "sft.log", self.env)
         sha = weights_sha256(sft_dir)
         held = store.sft_if(sha, self.precision)
         if held is not None:
@@ -466,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=4, help="seed pairs (each trains every algorithm once)")
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated, from " + ", ".join(ALGO_OVERRIDES))
     p.add_argument("--rl_steps", type=int, default=None, help="RL steps per run (default: the quickstart's 13)")
+    p.add_argument("--sft_steps", type=int, default=None,
+                   help=f"SFT steps of the one SFT model (default: the quickstart's {SFT_STEPS})")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "compare")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
                    help="the finished runs (compare_algorithms/) and the report; commit them")
@@ -501,8 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
         return write_report(store, [results, a.out], algos, meta)
     a.out.mkdir(parents=True, exist_ok=True)
     precision = resolve_precision(a.precision)
-    exp = Experiment(a.out, a.rl_steps or (2 if a.smoke else 13), 2 if a.smoke else 12, 30 if a.smoke else None,
-                     a.tiny, a.overrides, precision)
+    exp = Experiment(a.out, a.rl_steps or (2 if a.smoke else 13), a.sft_steps or (2 if a.smoke else SFT_STEPS),
+                     30 if a.smoke else None, a.tiny, a.overrides, precision)
     meta["rl_steps"] = exp.rl_steps
     sft_dir, sft_sha, sft_eval = exp.sft(store)
     store.bind(sft_sha, precision, sft_eval)

@@ -80,6 +80,10 @@ TEST_DATA = ROOT / "rl_datasets" / "test.parquet"
 # fp32 on a CPU with native bf16 (AMX, AVX-512 BF16). Elsewhere bf16 is emulated, ~50x slower than
 # fp32 per matmul, so "auto" computes in fp32 there (docs/performance.md, "Precision on the CPU").
 PRECISIONS = ("auto", "bf16", "fp32")
+SFT_STEPS = 24
+"""Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
+searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
+gained at each of 4 (docs/results.md, "Twice the SFT steps")."""
 FP32_RL_OVERRIDES = ["actor_rollout_ref.rollout.dtype=float32",
                      "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32"]
 
@@ -96,13 +100,36 @@ def resolve_precision(choice: str) -> str:
 
 
 def sft_command(base: Path, sft_dir: Path, steps: int, epochs: int = 1, precision: str = "bf16") -> list[str]:
-    """The cold-start SFT: a cold start teaches the format, not the task (12 steps × 16
+    """The cold-start SFT: a cold start teaches the format, not the task (SFT_STEPS steps × 16
     conversations on a CPU by default); fp32 weights, bf16 autocast when `precision` is bf16."""
     return [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
             f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
             f"trainer.total_epochs={epochs}", "optim.lr=1e-4", "data.train_batch_size=16",
             "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
             *(["model.autocast_dtype=bfloat16"] if precision == "bf16" else []), f"trainer.total_training_steps={steps}"]
+
+
+SFT_RECORD = "verl_arpo_sft.json"
+"""Written into an SFT model's folder after training: the arguments it was trained with."""
+
+
+def sft_record(steps: int, epochs: int, precision: str) -> dict:
+    return {"steps": int(steps), "epochs": int(epochs), "precision": precision}
+
+
+def sft_model_matches(sft_dir: Path, record: dict) -> bool:
+    """Whether `sft_dir` holds an SFT model trained with these arguments. A folder without its record
+    (an interrupted run, or one from before the record existed) does not match: reusing it would train
+    RL from a model other than the one asked for (a changed --sft_steps or default)."""
+    f = sft_dir / SFT_RECORD
+    return (sft_dir / "config.json").exists() and f.exists() and json.loads(f.read_text()) == record
+
+
+def train_sft(base: Path, sft_dir: Path, record: dict, log: Path, env: dict) -> None:
+    """sft_command into a fresh `sft_dir`, then its record (last: a killed run leaves none)."""
+    shutil.rmtree(sft_dir, ignore_errors=True)
+    run_logged(sft_command(base, sft_dir, record["steps"], record["epochs"], record["precision"]), log, env)
+    (sft_dir / SFT_RECORD).write_text(json.dumps(record))
 
 
 def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: Path, tiny: bool = False,
@@ -214,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--algo", choices=list(ALGO_OVERRIDES), default="arpo")
     p.add_argument("--rl_steps", type=int, default=None)
     p.add_argument("--sft_epochs", type=int, default=None)
-    p.add_argument("--sft_steps", type=int, default=None, help="SFT optimizer steps of 16 conversations")
+    p.add_argument("--sft_steps", type=int, default=None, help=f"SFT optimizer steps of 16 conversations (default {SFT_STEPS})")
     p.add_argument("--test_limit", type=int, default=None, help="evaluate only the first N test questions")
     p.add_argument("--out", default="outputs/quickstart", help="where everything goes (default: under the "
                    "current directory)")
@@ -330,12 +357,15 @@ class Quickstart:
         self.bar.advance(self.task)
 
     def sft(self, base: Path) -> Path:
-        t0 = self.stage("sft")
         sft_dir = self.out / "sft_model"
+        record = sft_record(self.a.sft_steps or (2 if self.a.smoke else SFT_STEPS), self.a.sft_epochs or 1,
+                            self.precision)
+        if (sft_dir / "config.json").exists() and not self.stale and not sft_model_matches(sft_dir, record):
+            say(f"sft: {sft_dir} was not trained with {record}: training it again")
+            self.stale = True
+        t0 = self.stage("sft")
         if not self.done(sft_dir / "config.json"):
-            steps = self.a.sft_steps or (2 if self.a.smoke else 12)
-            run_logged(sft_command(base, sft_dir, steps, self.a.sft_epochs or 1, self.precision),
-                       self.logs / "sft.log", self.env)
+            train_sft(base, sft_dir, record, self.logs / "sft.log", self.env)
             self.ran("sft", time.perf_counter() - t0)
         self.wall["sft"] = self.times.get("sft", 0.0)
         self.bar.advance(self.task)

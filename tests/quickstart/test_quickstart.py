@@ -58,6 +58,14 @@ def test_quickstart_tiny_smoke(tmp_path):
     assert json.loads((out / "eval_base.json").read_text()) == base_report
     assert {k: s2["wall_s"][k] for k in ("sft", "rl")} == {k: s["wall_s"][k] for k in ("sft", "rl")}
     assert s2["wall_s"]["sft"] > 0 and s2["wall_s"]["rl"] > 0
+    # other SFT steps than the model in --out was trained with: SFT and every later stage run again
+    r3 = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--sft_steps", "1",
+                         "--out", str(out), *overrides], cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    assert r3.returncode == 0, r3.stdout[-3000:] + r3.stderr[-3000:]
+    assert "was not trained with {'steps': 1" in r3.stdout
+    for stage in ("sft", "eval_sft", "rl", "eval_rl"):
+        assert f"{stage}: started" in r3.stdout, stage
+    assert json.loads((out / "sft_model" / "verl_arpo_sft.json").read_text())["steps"] == 1
 
 
 def test_an_override_that_is_not_key_value_is_refused(tmp_path, capsys):
@@ -106,3 +114,22 @@ def test_eval_cache_key_follows_every_input(tmp_path, monkeypatch):
     key = eval_cache_key(model, data, args)
     (code / "configs" / "quickstart.yaml").write_text("n: 8\n")
     assert eval_cache_key(model, data, args) != key
+
+
+def test_an_sft_model_is_reused_only_for_the_arguments_it_was_trained_with(tmp_path):
+    """The quickstart and the comparison reuse `<out>/sft_model` only when its record says it was
+    trained with the steps, epochs and precision asked for now (a changed default retrains it)."""
+    from verl_arpo.quickstart import SFT_RECORD, sft_model_matches, sft_record
+
+    d, asked = tmp_path / "sft_model", sft_record(24, 1, "fp32")
+    assert not sft_model_matches(d, asked)                      # nothing there
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    assert not sft_model_matches(d, asked)                      # no record: older, or killed before it
+    (d / SFT_RECORD).write_text(json.dumps(sft_record(12, 1, "fp32")))
+    assert not sft_model_matches(d, asked)                      # trained with other steps
+    (d / SFT_RECORD).write_text(json.dumps(asked))
+    assert sft_model_matches(d, asked)
+    assert not sft_model_matches(d, sft_record(24, 1, "bf16")) and not sft_model_matches(d, sft_record(24, 2, "fp32"))
+    (d / "config.json").unlink()
+    assert not sft_model_matches(d, asked)                      # a record without the model
