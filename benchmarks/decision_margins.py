@@ -209,6 +209,12 @@ def parse_args(argv=None):
     p.add_argument("--first_choice", action="append", default=None,
                    help="a word that opens a search after --first_prefix; repeatable (default: ' search', ' look')")
     p.add_argument("--limit", type=int, default=None, help="the first N test questions only")
+    # the prompt as main_eval renders it (the same two flags): a model whose template takes arguments
+    # (Qwen3's enable_thinking) would otherwise be probed on another prompt than it was evaluated on
+    p.add_argument("--chat_template_kwargs", type=json.loads, default={},
+                   help='JSON of extra apply_chat_template arguments, as given to main_eval')
+    p.add_argument("--custom_chat_template", default=None,
+                   help="a Jinja chat template, or a file with one, as given to main_eval")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decision_margins.json"))
     a = p.parse_args(argv)
     a.first_choice = a.first_choice or [" search", " look"]
@@ -235,7 +241,10 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--trained {name}: the report lacks {len(missing)} of the {len(rows)} questions "
                              f"(first: {missing[0]}); evaluate it on the same --test_file")
     scorer = ChoiceScorer(a.model)
-    recs = probe(scorer, rows, own, a.first_prefix, a.first_choice)
+    from verl_arpo.utils.chat_template import configure_chat_template
+
+    configure_chat_template(scorer.tokenizer, a.custom_chat_template)
+    recs = probe(scorer, rows, own, a.first_prefix, a.first_choice, a.chat_template_kwargs)
     margins = margin_table(recs)
     print_table(margins, list(margins[0]), f"decision margins of {a.model} ({len(recs)} questions)")
     flips = flip_table(recs, trained) if own else []
@@ -244,7 +253,8 @@ def main(argv=None) -> dict:
                     "flips against this model's own greedy answers, by band of the first decision")
     payload = {"model": str(a.model), "test_file": a.test_file, "first_prefix": a.first_prefix,
                "first_choice": a.first_choice, "shared_prefix_tokens": len(scorer.shared),
-               "own_eval": a.own_eval, "trained": a.trained,
+               "own_eval": a.own_eval, "trained": a.trained, "chat_template_kwargs": a.chat_template_kwargs,
+               "custom_chat_template": a.custom_chat_template,
                "machine": machine_info(), "margins": margins, "flips": flips, "questions": recs}
     write_json(a.out, payload)
     return payload

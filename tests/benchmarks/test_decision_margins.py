@@ -142,3 +142,26 @@ def test_bad_arguments_are_refused_naming_the_fix(tiny, tmp_path):
     r = subprocess.run(script + ["--own_eval", str(own), "--trained", f"S={short}", "--out", str(tmp_path / "o.json")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode != 0 and "lacks 1 of the 2 questions" in r.stderr
+
+
+def test_the_prompt_is_rendered_as_main_eval_renders_it(tiny, tmp_path):
+    """--custom_chat_template and --chat_template_kwargs (main_eval's flags) shape the probed prompt:
+    a template that prints a keyword argument before the question, probed against the reference loop."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_arpo.trainer.main_eval import load_eval_rows
+
+    template = ("{% for m in messages %}[{{ tag }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    out = tmp_path / "m.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decision_margins.py"), "--model", tiny, "--limit", "2",
+                    "--custom_chat_template", template, "--chat_template_kwargs", '{"tag": "Qx"}', "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=600)
+    got = json.loads(out.read_text())
+    assert got["chat_template_kwargs"] == {"tag": "Qx"}
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype="float32").eval()
+    for r, row in zip(got["questions"], load_eval_rows(ROOT / "rl_datasets" / "test.parquet")[:2]):
+        prompt = "".join(f"[Qx] {m['role']}: {m['content']}\n" for m in row["messages"]) + "assistant:"
+        p_first = sum(_reference_prob(model, tok, prompt + "<think> I will", c) for c in (" search", " look"))
+        assert r["p_first"] == pytest.approx(p_first, rel=1e-4)
