@@ -1,7 +1,10 @@
 """LocalSearchTool (BM25) and the bundled fictional corpus."""
 import importlib.util
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,10 +137,6 @@ def test_bm25s_keeps_an_installed_jax_off_the_gpu(tmp_path, user_platforms):
     here, so a stand-in `jax` package records the JAX_PLATFORMS each top_k call ran under: the
     import-time call must run with JAX on the CPU (a user's own setting is kept), and retrieval
     itself must not call JAX at all (numpy's top-k, the same with or without JAX)."""
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "jax").mkdir()
     (tmp_path / "jax" / "__init__.py").write_text("from . import lax\n")
     (tmp_path / "jax" / "lax.py").write_text(JAX_STAND_IN)
