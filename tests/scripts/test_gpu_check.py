@@ -36,6 +36,12 @@ def test_gpu_check_passes_on_the_host_with_the_hf_engine(tiny_model_dir, tmp_pat
     assert all(v > 0 for v in tput["tokens_per_s"]["eager"].values())
     base = tput["tokens_per_s"]["eager"]["seeds=True,logprobs=True"]
     assert tput["ratios"]["no seeds"] == pytest.approx(tput["tokens_per_s"]["eager"]["seeds=False,logprobs=True"] / base)
+    # each timed call's own numbers, from which the rate is the best of two
+    for key, calls in tput["runs"]["eager"].items():
+        assert len(calls) == 2 and all(0 < c["tokens"] <= 32 * 128 and c["forward_calls"] > 0 for c in calls)
+        assert max(c["tokens"] / c["seconds"] for c in calls) == pytest.approx(tput["tokens_per_s"]["eager"][key])
+        # the decode loop feeds every unfinished row once per call: at least the longest output's calls
+        assert all(c["forward_calls"] * 32 >= c["tokens"] for c in calls)
 
 
 @pytest.mark.slow

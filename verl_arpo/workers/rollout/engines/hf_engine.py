@@ -47,6 +47,7 @@ every round (logged once); everything else still works for them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Iterable
@@ -321,8 +322,9 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         """Run the model on new tokens; extend the batch mask; return last-position float32 logits."""
         batch.mask = torch.cat([batch.mask, new_mask], dim=1)
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=pos,
-                         past_key_values=batch.cache, use_cache=True, **kw)
+        with _sdpa_kernels(self.device):
+            out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=pos,
+                             past_key_values=batch.cache, use_cache=True, **kw)
         batch.cache = out.past_key_values
         self.stats["forward_calls"] += 1
         logits = out.logits[:, -1].float()
@@ -450,6 +452,19 @@ def _draw(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     idx = torch.minimum(idx, last)   # u * total may round up to total
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
+
+
+def _sdpa_kernels(device: torch.device):
+    """The SDPA kernels a decoding step may use: on CUDA, all but cuDNN's. cuDNN attention builds an
+    execution plan for every new shape, and decoding makes a new one at every step (the cache grows by
+    one; rows finish and the batch shrinks): on an H200 that planning was 67% of a rollout's time, and
+    made a call 3-6x slower than replaying the same shapes (docs/gpu.md, "Throughput"). Flash and
+    memory-efficient attention take any shape without planning."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _pick_attn(name: str | None, device: torch.device) -> str:
