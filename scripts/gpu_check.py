@@ -219,22 +219,23 @@ def _throughput_worker(spec: dict) -> dict:
 
     def run(seeds: bool, logprobs: bool) -> dict:
         # Every call draws afresh: seeds new to this engine (a rollout round's are too). Seeds repeated
-        # between calls replay the same lengths, so the same batch and cache shapes, which the eager CUDA
-        # path serves several times faster than new ones (an H200 gave 0.65 s against 2-4 s), and made
-        # "no seeds" look ×0.24 (docs/gpu.md, "Throughput").
+        # between calls replay the same lengths, so the same batch and cache shapes, which cuDNN attention
+        # served several times faster than new ones (an H200 gave 0.65 s against 2-4 s), and made
+        # "no seeds" look ×0.24 (docs/gpu.md, "Verify on your GPU").
         n = next(calls)
         sp = SamplingParams(temperature=1.0, logprobs=logprobs, logprobs_topk=0, full_entropy=False)
         reqs = [GenRequest(request_id=f"r{i}", prompt_ids=list(p), max_new_tokens=AB_TOKENS, sampling=sp,
                            seed=n * AB_REQUESTS + i if seeds else None) for i, p in enumerate(prompts)]
-        calls0 = dict(getattr(eng, "stats", {}))
+        stats = getattr(eng, "stats", None)   # the HF engine's counters; vLLM has none
+        calls0 = stats["forward_calls"] if stats else None
         t0 = time.perf_counter()
         outs = eng.generate(reqs)
         dt = time.perf_counter() - t0
         lengths = [len(o.token_ids) for o in outs]
-        # what an unexplained ratio needs to be read (docs/gpu.md): the lengths, and for the HF engine its
-        # model calls (generated tokens per decode call = the mean decoding batch)
-        return {"tokens": sum(lengths), "seconds": dt, "at_cap": sum(n >= AB_TOKENS for n in lengths),
-                "forward_calls": getattr(eng, "stats", {}).get("forward_calls", 0) - calls0.get("forward_calls", 0)}
+        # what an odd ratio needs to be read (docs/gpu.md): the lengths, and for the HF engine its model
+        # calls (generated tokens per call = the mean decoding batch)
+        return {"tokens": sum(lengths), "seconds": dt, "at_cap": sum(length >= AB_TOKENS for length in lengths),
+                "forward_calls": stats["forward_calls"] - calls0 if stats else None}
 
     run(True, True)   # warm-up (kernels, allocator)
     result, runs = {}, {}

@@ -424,18 +424,31 @@ def test_no_padding_id_is_ever_sampled(padded_vocab_dir, tiny_tokenizer, prompts
     assert max(t for o in outs for t in o.token_ids) >= n_ids
 
 
-def test_decoding_on_cuda_excludes_cudnn_attention_and_leaves_the_rest_as_it_was():
-    """On an H200 cuDNN attention planned every new decode shape (67% of a rollout's time, docs/gpu.md,
-    "Throughput"): the engine's forward runs with cuDNN's SDPA kernel off and the others on, and puts
-    the flags back after; on the CPU it changes nothing."""
-    from verl_arpo.workers.rollout.engines.hf_engine import _sdpa_kernels
+def test_every_decoding_forward_runs_without_cudnn_attention_on_cuda(model, tiny_tokenizer, prompts, monkeypatch):
+    """On an H200 cuDNN attention planned every new decode shape (67% of a call's CPU time, docs/gpu.md,
+    "Verify on your GPU"). Every model call of a generate runs with cuDNN's SDPA kernel off and the
+    other kernels as they were, and the flags are back afterwards. The guard is the engine's own, run as
+    it runs on CUDA (it only sets flags, which a CPU build has too); on the CPU it changes nothing."""
+    from verl_arpo.workers.rollout.engines import hf_engine
 
     flags = (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
              torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
     before = [f() for f in flags]
     assert before[0], "cuDNN attention is on by default (the case the engine guards against)"
-    with _sdpa_kernels(torch.device("cuda")):
-        assert [f() for f in flags] == [False, True, True, True]
-    assert [f() for f in flags] == before
-    with _sdpa_kernels(torch.device("cpu")):
+    with hf_engine._without_cudnn_attention(torch.device("cpu")):
         assert [f() for f in flags] == before
+    torch.backends.cuda.enable_flash_sdp(False)   # a user's own choice stays as it is
+    try:
+        seen = []
+        handle = model.register_forward_pre_hook(lambda *_: seen.append([f() for f in flags]))
+        real = hf_engine._without_cudnn_attention
+        monkeypatch.setattr(hf_engine, "_without_cudnn_attention", lambda device: real(torch.device("cuda")))
+        eng = engine(model, tiny_tokenizer)
+        outs = eng.generate([req(f"r{i}", p, 6) for i, p in enumerate(prompts[:3])])
+        handle.remove()
+        assert len(seen) == eng.stats["forward_calls"] >= max(len(o.token_ids) for o in outs) > 0
+        assert all(s == [False, False, True, True] for s in seen), seen
+        assert [f() for f in flags] == [True, False, True, True]
+    finally:
+        torch.backends.cuda.enable_flash_sdp(before[1])
+    assert [f() for f in flags] == before

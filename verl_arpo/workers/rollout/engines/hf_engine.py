@@ -322,7 +322,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         """Run the model on new tokens; extend the batch mask; return last-position float32 logits."""
         batch.mask = torch.cat([batch.mask, new_mask], dim=1)
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        with _sdpa_kernels(self.device):
+        with _without_cudnn_attention(self.device):
             out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=pos,
                              past_key_values=batch.cache, use_cache=True, **kw)
         batch.cache = out.past_key_values
@@ -454,17 +454,23 @@ def _draw(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
 
 
-def _sdpa_kernels(device: torch.device):
-    """The SDPA kernels a decoding step may use: on CUDA, all but cuDNN's. cuDNN attention builds an
-    execution plan for every new shape, and decoding makes a new one at every step (the cache grows by
-    one; rows finish and the batch shrinks): on an H200 that planning was 67% of a rollout's time, and
-    made a call 3-6x slower than replaying the same shapes (docs/gpu.md, "Throughput"). Flash and
-    memory-efficient attention take any shape without planning."""
+@contextlib.contextmanager
+def _without_cudnn_attention(device: torch.device):
+    """Decode with cuDNN's SDPA kernel off (on CUDA; the other kernels as the user set them). cuDNN
+    attention builds an execution plan for every new shape, and decoding makes a new one at every
+    step (the cache grows by one; rows finish and the batch shrinks): on an H200 that planning was
+    67% of a generate call's CPU time, and made a call 3-6x slower than one replaying the same
+    shapes (docs/gpu.md, "Verify on your GPU"). Flash, memory-efficient and math attention take any
+    shape without planning."""
     if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        yield
+        return
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def _pick_attn(name: str | None, device: torch.device) -> str:
