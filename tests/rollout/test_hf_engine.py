@@ -179,6 +179,24 @@ def test_kv_cache_equals_reencode_over_three_rounds(model, tiny_tokenizer, promp
     assert kv.cached_tokens() == 0
 
 
+def test_the_kv_cache_goes_by_the_name_the_model_forward_takes(model, tiny_tokenizer, prompts):
+    """transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, and is removed in
+    5.40): the engine passes the name this model's forward declares, so three rounds of cached
+    decoding raise no deprecation warning and still reuse the cache."""
+    import inspect
+    import warnings
+
+    declared = inspect.signature(model.forward).parameters
+    want = "cache" if "cache" in declared else "past_key_values"
+    eng = engine(model, tiny_tokenizer, kv_cache=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _three_rounds(eng, tiny_tokenizer, prompts, [6, 9, 4, 7], [TOOL_RESULT])
+    renamed = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert renamed == []
+    assert eng._cache_arg == want and eng.stats["reused_tokens"] > 0
+
+
 def test_branch_from_parent_equals_fresh(model, tiny_tokenizer, prompts):
     eng = engine(model, tiny_tokenizer)
     first = eng.generate([req("p", prompts[0], 9)])[0]

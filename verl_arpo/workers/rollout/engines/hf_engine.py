@@ -132,7 +132,11 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         self._rng = torch.Generator().manual_seed(seed)
         self._store: dict[str, KV] = {}   # insertion order = recency (for eviction)
         self._n_cached = 0
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in forward_args
+        # transformers >= 5.2x names the KV cache `cache` (`past_key_values` warns, and goes in 5.40);
+        # older releases only know `past_key_values`.
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._asleep = False
         self._discarded: dict[torch.nn.Parameter, torch.Size] = {}   # freed by discard_weights
         self.reuse_kv = bool(kv_cache)
@@ -324,8 +328,8 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
         with _without_cudnn_attention(self.device):
             out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=pos,
-                             past_key_values=batch.cache, use_cache=True, **kw)
-        batch.cache = out.past_key_values
+                             use_cache=True, **{self._cache_arg: batch.cache}, **kw)
+        batch.cache = getattr(out, self._cache_arg)
         self.stats["forward_calls"] += 1
         logits = out.logits[:, -1].float()
         if logits.shape[-1] > self.n_token_ids:  # padding rows of the vocabulary: never sampled
