@@ -121,3 +121,22 @@ def test_benchmark_smoke_writes_valid_json(name, tmp_path):
         assert data["trl_available"], data["trl_status"]
         ours, trl = data["ours"], data["trl"][data["baseline"]]
         assert abs(ours["tokens_per_step"] - trl["tokens_per_step"]) <= 0.1 * ours["tokens_per_step"]
+
+
+@pytest.mark.slow
+def test_train_attention_benchmark_runs_every_case_on_the_same_micro_batches(tmp_path):
+    """On the CPU the cuDNN guard is a no-op, so both kernel cases of each layout run the same code:
+    identical losses, and each case timed every micro-batch twice (new shapes, then seen ones)."""
+    out = tmp_path / "train_attention.json"
+    _run([BENCH / "bench_train_attention.py", "--quick", "--device", "cpu", "--out", out], timeout=900)
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"padded/default", "padded/ours", "packed/default", "packed/ours"}
+    for layout in ("padded", "packed"):
+        base, ours = data["runs"][f"{layout}/default"], data["runs"][f"{layout}/ours"]
+        assert base["losses"] == ours["losses"] and base["tokens"] == ours["tokens"]
+        assert len(base["pass1_ms"]) == len(base["pass2_ms"]) == len(base["losses"]) == 3
+        assert all(k.startswith("aten::_") for k in base["kernels"]) and base["kernels"]
+    # packing changes the layout, not the numbers: the same per-token objective
+    for a, b in zip(data["runs"]["padded/ours"]["losses"], data["runs"]["packed/ours"]["losses"]):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert len(data["table"]) == 4

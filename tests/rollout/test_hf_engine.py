@@ -453,14 +453,14 @@ def test_every_decoding_forward_runs_without_cudnn_attention_on_cuda(model, tiny
              torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
     before = [f() for f in flags]
     assert before[0], "cuDNN attention is on by default (the case the engine guards against)"
-    with hf_engine._without_cudnn_attention(torch.device("cpu")):
+    with hf_engine.without_cudnn_attention(torch.device("cpu")):
         assert [f() for f in flags] == before
     torch.backends.cuda.enable_flash_sdp(False)   # a user's own choice stays as it is
     try:
         seen = []
         handle = model.register_forward_pre_hook(lambda *_: seen.append([f() for f in flags]))
-        real = hf_engine._without_cudnn_attention
-        monkeypatch.setattr(hf_engine, "_without_cudnn_attention", lambda device: real(torch.device("cuda")))
+        real = hf_engine.without_cudnn_attention
+        monkeypatch.setattr(hf_engine, "without_cudnn_attention", lambda device: real(torch.device("cuda")))
         eng = engine(model, tiny_tokenizer)
         outs = eng.generate([req(f"r{i}", p, 6) for i, p in enumerate(prompts[:3])])
         handle.remove()

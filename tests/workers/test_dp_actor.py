@@ -458,3 +458,33 @@ def test_update_reports_progress_per_micro_batch_and_its_step_counts(model, monk
         f"[update] epoch 1/1, mini-batch 1/1, micro-batch {i}/{n}" for i in range(1, n + 1)]
     assert (metrics["actor/optimizer_steps"], metrics["actor/skipped_optimizer_steps"],
             metrics["actor/non_finite_losses"]) == (1.0, 0.0, 0.0)
+
+
+def test_every_training_forward_runs_without_cudnn_attention_on_cuda(model, monkeypatch):
+    """cuDNN attention plans every new shape; on an H200 a training micro-batch with new lengths took
+    2.9-3.3x longer with it (docs/gpu.md, benchmarks/bench_train_attention.py). The log-prob pass, the
+    update's forward, and the forward that activation checkpointing re-runs inside backward all run
+    with cuDNN's kernel off (the guard run as on CUDA: it only sets flags, which a CPU build has),
+    and the flag is back on afterwards."""
+    from verl_arpo.workers import training_core
+    from verl_arpo.workers.actor import dp_actor
+
+    real = training_core.without_cudnn_attention
+    for mod in (training_core, dp_actor):
+        monkeypatch.setattr(mod, "without_cudnn_attention", lambda device: real(torch.device("cuda")))
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    seen = []
+    attention = m.model.layers[0].self_attn   # inside the checkpointed region: it runs again in backward
+    attention.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    data = make_batch(m.config.vocab_size, seed=2)
+    DataParallelPPOActor(None, m, use_remove_padding=True).compute_log_prob(data, log_probs(2))
+    n_log_prob = len(seen)
+    actor_grad(m, data, ppo_micro_batch_size_per_gpu=2)
+    micro = math.ceil(len(data) / 2)
+    assert n_log_prob == micro
+    assert len(seen) == n_log_prob + 2 * micro   # the update's forward and its re-run in backward
+    assert not any(seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -159,3 +159,27 @@ def test_token_classification_heads_exist():
         model = AutoModelForTokenClassification.from_config(cfg)
         out = model(input_ids=torch.tensor([[1, 2, 3]]))
         assert out.logits.shape == (1, 3, 1)
+
+
+def test_critic_forwards_and_their_rerun_in_backward_run_without_cudnn_attention_on_cuda(critic, monkeypatch):
+    """As the actor's (tests/workers/test_dp_actor.py): compute_values, the update's forward and the
+    forward activation checkpointing re-runs inside backward all see cuDNN attention off on CUDA."""
+    import copy
+
+    from verl_arpo.workers import training_core
+
+    real = training_core.without_cudnn_attention
+    for mod in (training_core, dp_critic):
+        monkeypatch.setattr(mod, "without_cudnn_attention", lambda device: real(torch.device("cuda")))
+    m = copy.deepcopy(critic)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seen = []
+    m.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    data = make_batch(m.config.vocab_size, seed=2)
+    DataParallelPPOCritic(critic_module=m, **critic_kwargs(ppo_micro_batch_size_per_gpu=3)).compute_values(data)
+    assert len(seen) == 2
+    critic_grad(m, data, ppo_micro_batch_size_per_gpu=3)
+    assert len(seen) == 2 + 2 * 2   # two micro-batches, each forward once and once more in backward
+    assert not any(seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -50,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl_arpo.trainer.sft_data import read_records, to_messages, tokenize_conversation
 from verl_arpo.utils.chat_template import configure_chat_template
+from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.utils.job_config import OptimConfig
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
 from verl_arpo.workers.sharded_model import load_causal_lm, shard_fsdp2
@@ -334,10 +335,12 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
             nll_sum = 0.0
             for m in range(0, len(mine), micro):
                 batch = {k: v.to(device) for k, v in collate([train[i] for i in mine[m:m + micro]], pad_id).items()}
-                with autocast:
-                    nll = token_nll_sum(model, batch)
-                # FSDP2 averages gradients over ranks: × world turns that back into the global sum
-                (nll * world / max(1, n_targets)).backward()
+                # cuDNN attention would plan every micro-batch's new shape (docs/gpu.md)
+                with without_cudnn_attention(device):
+                    with autocast:
+                        nll = token_nll_sum(model, batch)
+                    # FSDP2 averages gradients over ranks: × world turns that back into the global sum
+                    (nll * world / max(1, n_targets)).backward()
                 nll_sum += float(nll.detach())
             used_lr = optim.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves on below)
             grad_norm = clip_grad_and_step(model, optim, float(cfg.optim.clip_grad), "sft")

@@ -10,13 +10,14 @@ knows NPUs (``hccl``); we do not: there is no way to test them here.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 __all__ = ["cpu_has_fast_bf16", "cuda_worker_env", "get_device_name", "get_dist_backend", "get_torch_device",
-           "release_device_cache", "set_local_device"]
+           "release_device_cache", "set_local_device", "without_cudnn_attention"]
 
 
 def is_cuda_available() -> bool:
@@ -99,3 +100,26 @@ def cuda_worker_env(user_env: Mapping[str, str] | None = None) -> dict[str, str]
     if "PYTORCH_CUDA_ALLOC_CONF" in (user_env or {}) or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return {}
     return {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF}
+
+
+@contextlib.contextmanager
+def without_cudnn_attention(device: torch.device | str) -> Iterator[None]:
+    """Run model calls with cuDNN's SDPA kernel off (on CUDA; flash, memory-efficient and math
+    attention stay as the user set them; the flag is restored afterwards). On the CPU: nothing.
+
+    cuDNN attention builds an execution plan for every new shape. Decoding makes a new shape every
+    step, and every training micro-batch has its own lengths: on an H200 the planning was 67% of a
+    generate call's CPU time, and made a training forward + backward on new shapes 2.9-3.3x slower
+    than with the memory-efficient kernel (which needs no plan; on shapes seen before cuDNN is
+    ~1.2x faster). docs/gpu.md, "Verify on your GPU". The backward pass runs the kernel its forward
+    chose; activation checkpointing re-runs the forward inside backward, so wrap backward too.
+    """
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

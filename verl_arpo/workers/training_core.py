@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree
 from verl_arpo.utils.ulysses import SequenceParallel, gather_slots
 from verl_arpo.workers.sequence_parallel import SequenceShard, attention_kernel, shard_packed
@@ -173,6 +174,12 @@ def response_forward(module: torch.nn.Module, micro, response_length: int, use_r
     through the model's Ulysses attention (verl_arpo.workers.sequence_parallel) and scores the slots
     whose scoring token it holds.
     """
+    # cuDNN attention plans every new shape, and every micro-batch has its own (docs/gpu.md)
+    with without_cudnn_attention(micro["input_ids"].device):
+        return _response_forward(module, micro, response_length, use_remove_padding, causal_lm, share_prefix, sp)
+
+
+def _response_forward(module, micro, response_length, use_remove_padding, causal_lm, share_prefix, sp):
     r = response_length
     packed = _pack(micro, r, share_prefix) if use_remove_padding else None
     if use_remove_padding and packed is None:

@@ -36,6 +36,7 @@ import torch
 
 from verl_arpo.trainer.ppo.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
 from verl_arpo.trainer.ppo.rollout_mismatch import mismatch_metrics, rollout_is_weights
+from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.utils.job_config import ActorConfig, Batching
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
@@ -298,7 +299,8 @@ class DataParallelPPOActor:
                     with HOST_MEMORY.phase("update/forward"):
                         loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
                     non_finite_losses += not math.isfinite(loss.item())
-                    with HOST_MEMORY.phase("update/backward"):
+                    # activation checkpointing re-runs the forward here: same attention kernels
+                    with HOST_MEMORY.phase("update/backward"), without_cudnn_attention(self.device):
                         loss.backward()
                     sums["pg_loss"] += stats.pop("pg_loss")
                     if "kl_loss" in stats:

@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 
 from verl_arpo.trainer.ppo.core_algos import compute_value_loss
+from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.utils.job_config import Batching, CriticConfig
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.ulysses import SequenceParallel
@@ -135,7 +136,8 @@ class DataParallelPPOCritic:
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask,
                                                            cliprange_value=cliprange_value, loss_agg_mode=mode, **agg)
-                    vf_loss.backward()
+                    with without_cudnn_attention(self.device):   # checkpointing re-runs the forward here
+                        vf_loss.backward()
                     vf_total += vf_loss.item()
                     n = mask.sum().clamp(min=1)
                     means.add(mask.sum().item(), vf_clipfrac=clipfrac.item(),

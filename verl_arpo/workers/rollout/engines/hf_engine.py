@@ -47,13 +47,13 @@ every round (logged once); everything else still works for them.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from collections.abc import Iterable
 
 import torch
 
+from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.workers.rollout.engines.base import (
     GenOutput,
     GenRequest,
@@ -326,7 +326,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         """Run the model on new tokens; extend the batch mask; return last-position float32 logits."""
         batch.mask = torch.cat([batch.mask, new_mask], dim=1)
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        with _without_cudnn_attention(self.device):
+        with without_cudnn_attention(self.device):
             out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=pos,
                              use_cache=True, **{self._cache_arg: batch.cache}, **kw)
         batch.cache = getattr(out, self._cache_arg)
@@ -456,25 +456,6 @@ def _draw(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     idx = torch.minimum(idx, last)   # u * total may round up to total
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
-
-
-@contextlib.contextmanager
-def _without_cudnn_attention(device: torch.device):
-    """Decode with cuDNN's SDPA kernel off (on CUDA; the other kernels as the user set them). cuDNN
-    attention builds an execution plan for every new shape, and decoding makes a new one at every
-    step (the cache grows by one; rows finish and the batch shrinks): on an H200 that planning was
-    67% of a generate call's CPU time, and made a call 3-6x slower than one replaying the same
-    shapes (docs/gpu.md, "Verify on your GPU"). Flash, memory-efficient and math attention take any
-    shape without planning."""
-    if device.type != "cuda":
-        yield
-        return
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def _pick_attn(name: str | None, device: torch.device) -> str:
