@@ -198,6 +198,21 @@ def run_child(cmd: list[str], timeout: float, log: Path | None = None, env: dict
     return {"rc": rc, "wall_s": time.perf_counter() - t0, **m}
 
 
+def run_case(script: str | Path, spec: dict, timeout: float = 3600) -> dict[str, Any]:
+    """Run one benchmark case as `python SCRIPT child SPEC.json` in a fresh process (no case inherits
+    another's caches, kernels or plans) and return the JSON object its last stdout line prints."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([PY, str(script), "child", str(path)], capture_output=True, text=True, env=env,
+                             cwd=str(ROOT), timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def tail(path: Path, n: int = 3000) -> str:
     """The end of a log, starting at its last traceback when there is one (Ray's worker chatter
     would otherwise push the error out of the window)."""

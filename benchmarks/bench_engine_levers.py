@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,26 +63,11 @@ def child(spec: dict) -> dict:
                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def run(spec: dict) -> dict:
-    import subprocess
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec))
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        out = subprocess.run([sys.executable, __file__, "child", str(path)], capture_output=True, text=True,
-                             env=env, cwd=str(ROOT))
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "child":
         print(json.dumps(child(json.loads(Path(sys.argv[2]).read_text()))))
         return
-    from bench_common import print_table, prompt_rows, summary_entry, write_json
+    from bench_common import print_table, prompt_rows, run_case, summary_entry, write_json
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct, prepared offline)")
@@ -103,7 +87,7 @@ def main(argv=None) -> None:
     rows = prompt_rows(a.prompts, ROOT / "rl_datasets" / "test.parquet")
     results = []
     for label, attention, share in CASES:
-        r = run(dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads, attention=attention,
+        r = run_case(__file__, dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads, attention=attention,
                      share_prefix=share))
         results.append({**r, "label": label})
     base = results[0]

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -126,24 +124,11 @@ def child(spec: dict) -> dict:
                 tokens=[int(m["attention_mask"].sum()) for m in micros])
 
 
-def run(spec: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec))
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        out = subprocess.run([sys.executable, __file__, "child", str(path)], capture_output=True, text=True,
-                             env=env, cwd=str(ROOT))
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "child":
         print(json.dumps(child(json.loads(Path(sys.argv[2]).read_text()))))
         return
-    from bench_common import machine_info, print_table, write_json
+    from bench_common import machine_info, print_table, run_case, write_json
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
@@ -176,7 +161,7 @@ def main(argv=None) -> None:
         for layout, kernels in CASES:
             spec = dict(model=str(model), device=device, layout=layout, kernels=kernels, micro=a.micro,
                         rows=a.rows, max_prompt=a.max_prompt, max_response=a.max_response, seed=a.seed)
-            results[f"{layout}/{kernels}"] = run(spec)
+            results[f"{layout}/{kernels}"] = run_case(__file__, spec)
     table = []
     for layout in ("padded", "packed"):
         base, off = results[f"{layout}/default"], results[f"{layout}/ours"]
