@@ -1,5 +1,6 @@
-"""Training forward + backward as `response_forward` runs it (cuDNN attention off on CUDA) against
-PyTorch's default SDPA kernel choice (cuDNN on Hopper in bf16).
+"""Training forward + backward through `response_forward` (cuDNN attention off on CUDA) against
+PyTorch's default SDPA kernel choice (cuDNN on Hopper in bf16). Without activation checkpointing
+(off by default), so the backward runs the kernels its forward chose.
 
 Why: on an H200 the rollout's decoding spent 67% of its CPU time planning cuDNN attention, one plan
 per new shape (docs/gpu.md, "Verify on your GPU"); the HF engine now decodes with cuDNN's kernel

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import inspect
 import statistics
 from collections import Counter
 import sys
@@ -66,6 +67,8 @@ class ChoiceScorer:
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        # transformers >= 5.2x names the KV cache `cache` (`past_key_values` warns; removed in 5.40)
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.shared: list[int] = []
         self.cache = None
 
@@ -77,7 +80,7 @@ class ChoiceScorer:
         self.shared, self.cache = list(ids), None
         if ids:
             with self.torch.no_grad():
-                self.cache = self.model(self.torch.tensor([ids]), use_cache=True).past_key_values
+                self.cache = getattr(self.model(self.torch.tensor([ids]), use_cache=True), self.cache_arg)
 
     def probs(self, prefix: str, choices: list[str]) -> list[float]:
         """One probability per choice. The prefix and each choice are tokenized apart, as the
@@ -91,8 +94,8 @@ class ChoiceScorer:
         if n == len(pre):
             n = 0  # no token left to run after the shared ones: no cache
         with torch.no_grad():
-            out = self.model(torch.tensor([pre[n:]]), past_key_values=copy.deepcopy(self.cache) if n else None,
-                             use_cache=True)
+            out = self.model(torch.tensor([pre[n:]]), use_cache=True,
+                             **{self.cache_arg: copy.deepcopy(self.cache) if n else None})
         first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
         probs = []
         for choice in choices:
@@ -102,8 +105,8 @@ class ChoiceScorer:
             logp = first[ids[0]]
             if len(ids) > 1:
                 with torch.no_grad():
-                    past = copy.deepcopy(out.past_key_values)
-                    rest = self.model(torch.tensor([ids[:-1]]), past_key_values=past).logits
+                    past = copy.deepcopy(getattr(out, self.cache_arg))
+                    rest = self.model(torch.tensor([ids[:-1]]), **{self.cache_arg: past}).logits
                 logp = logp + torch.log_softmax(rest[0].float(), dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum()
             probs.append(float(torch.exp(logp)))
         return probs

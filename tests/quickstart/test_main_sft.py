@@ -119,3 +119,26 @@ def test_length_sorted_micro_batches_keep_the_step_loss(tiny_model_dir, sft_file
             targets += int(mask.sum())
     assert first["targets"] == targets
     assert abs(first["loss"] - nll / targets) < 1e-4, (first["loss"], nll / targets)
+
+
+def test_every_sft_forward_runs_without_cudnn_attention_on_cuda(tiny_model_dir, sft_file, tmp_path, monkeypatch):
+    """cuDNN attention plans every new shape (docs/gpu.md): the SFT step's forward + backward and the
+    validation loss run with cuDNN's kernel off on CUDA, the guard asked about the compute device
+    (run here as on CUDA: it only sets flags, which a CPU build has), and the flag is back after."""
+    real, devices, seen = main_sft.without_cudnn_attention, [], []
+
+    def as_on_cuda(device):
+        devices.append(torch.device(device))
+        return real(torch.device("cuda"))
+
+    nll = main_sft.token_nll_sum
+    monkeypatch.setattr(main_sft, "without_cudnn_attention", as_on_cuda)
+    monkeypatch.setattr(main_sft, "token_nll_sum",
+                        lambda model, batch: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or nll(model, batch))
+    out = str(tmp_path / "sft_out")
+    summary = main_sft.run_sft(main_sft.load_config(_overrides(tiny_model_dir, sft_file, out, **{"trainer.total_epochs": 1})))
+    assert summary["steps"] == 2 and len(seen) == 2 * 2   # 2 steps x 2 micro-batches of 2 conversations
+    _dataset_loss(out, sft_file)                          # evaluate_loss: 8 conversations in micro-batches of 4
+    assert len(seen) == 4 + 2 and not any(seen), seen
+    assert devices and set(devices) == {torch.device("cpu")}
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -462,8 +462,10 @@ def test_every_decoding_forward_runs_without_cudnn_attention_on_cuda(model, tiny
         real = hf_engine.without_cudnn_attention
         monkeypatch.setattr(hf_engine, "without_cudnn_attention", lambda device: real(torch.device("cuda")))
         eng = engine(model, tiny_tokenizer)
-        outs = eng.generate([req(f"r{i}", p, 6) for i, p in enumerate(prompts[:3])])
-        handle.remove()
+        try:
+            outs = eng.generate([req(f"r{i}", p, 6) for i, p in enumerate(prompts[:3])])
+        finally:
+            handle.remove()
         assert len(seen) == eng.stats["forward_calls"] >= max(len(o.token_ids) for o in outs) > 0
         assert all(s == [False, False, True, True] for s in seen), seen
         assert [f() for f in flags] == [True, False, True, True]

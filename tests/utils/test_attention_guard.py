@@ -42,4 +42,4 @@ def test_cpu_changes_nothing_and_a_user_who_turned_cudnn_off_keeps_it_off():
             assert flags()[0] is False
         assert flags()[0] is False
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(before[0])

@@ -263,7 +263,7 @@ def evaluate_loss(model, dataset: SFTDataset, micro: int, pad_id: int, device) -
     idx = list(range(rank, len(dataset), world))
     total, count = 0.0, 0
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), without_cudnn_attention(device):   # every micro-batch is a new shape
         for s in range(0, len(idx), micro):
             batch = {k: v.to(device) for k, v in collate([dataset[i] for i in idx[s:s + micro]], pad_id).items()}
             total += float(token_nll_sum(model, batch))

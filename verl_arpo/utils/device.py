@@ -109,10 +109,12 @@ def without_cudnn_attention(device: torch.device | str) -> Iterator[None]:
 
     cuDNN attention builds an execution plan for every new shape. Decoding makes a new shape every
     step, and every training micro-batch has its own lengths: on an H200 the planning was 67% of a
-    generate call's CPU time, and made a training forward + backward on new shapes 2.9-3.3x slower
-    than with the memory-efficient kernel (which needs no plan; on shapes seen before cuDNN is
-    ~1.2x faster). docs/gpu.md, "Verify on your GPU". The backward pass runs the kernel its forward
-    chose; activation checkpointing re-runs the forward inside backward, so wrap backward too.
+    generate call's CPU time, and made a training forward + backward on new shapes 3.2-3.6x slower
+    than with the memory-efficient kernel (on shapes seen before cuDNN was 1.14x faster; docs/gpu.md,
+    "Verify on your GPU"). Backward runs the kernel its forward chose, but non-reentrant activation
+    checkpointing re-runs the forward inside backward, and that re-run must pick the same kernel as
+    the first run: wrap backward too. The flag is process-wide: model calls in one process must not
+    run in parallel threads (none do: the engine, the actor and the critic take turns).
     """
     if torch.device(device).type != "cuda":
         yield
