@@ -87,8 +87,8 @@ def main(argv=None) -> None:
     rows = prompt_rows(a.prompts, ROOT / "rl_datasets" / "test.parquet")
     results = []
     for label, attention, share in CASES:
-        r = run_case(__file__, dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads, attention=attention,
-                     share_prefix=share))
+        r = run_case(__file__, dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads,
+                                    attention=attention, share_prefix=share))
         results.append({**r, "label": label})
     base = results[0]
     table = []

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import inspect
 import statistics
 from collections import Counter
 import sys
@@ -64,11 +63,12 @@ class ChoiceScorer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from verl_arpo.workers.rollout.engines.hf_engine import kv_cache_arg
+
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        # transformers >= 5.2x names the KV cache `cache` (`past_key_values` warns; removed in 5.40)
-        self.cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.cache_arg = kv_cache_arg(self.model)
         self.shared: list[int] = []
         self.cache = None
 

@@ -132,11 +132,8 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         self._rng = torch.Generator().manual_seed(seed)
         self._store: dict[str, KV] = {}   # insertion order = recency (for eviction)
         self._n_cached = 0
-        forward_args = inspect.signature(self.model.forward).parameters
-        self._logits_to_keep = "logits_to_keep" in forward_args
-        # transformers >= 5.2x names the KV cache `cache` (`past_key_values` warns, and goes in 5.40);
-        # older releases only know `past_key_values`.
-        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._cache_arg = kv_cache_arg(self.model)
         self._asleep = False
         self._discarded: dict[torch.nn.Parameter, torch.Size] = {}   # freed by discard_weights
         self.reuse_kv = bool(kv_cache)
@@ -456,6 +453,12 @@ def _draw(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     idx = torch.minimum(idx, last)   # u * total may round up to total
     return (order.gather(1, idx) if order is not None else idx)[:, 0]
+
+
+def kv_cache_arg(model) -> str:
+    """The name `model`'s forward takes its KV cache by, which is also the output's field: `cache`
+    in transformers >= 5.2x (`past_key_values` warns there, and goes in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _pick_attn(name: str | None, device: torch.device) -> str:
