@@ -94,10 +94,11 @@ def child(spec: dict) -> dict:
         from transformers import AutoModelForCausalLM
 
         from verl_arpo.utils.seqlen_balancing import split_micro_batches
+        from verl_arpo.workers.sharded_model import enable_activation_checkpointing
 
         model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
         if spec["checkpointing"]:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         batch = data.batch
         micros, _ = split_micro_batches(batch, True, None, int(spec["micro_tokens"]))

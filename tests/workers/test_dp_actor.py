@@ -17,6 +17,7 @@ from verl_arpo.single_controller.base import find_free_port
 from verl_arpo.trainer.ppo.core_algos import get_policy_loss_fn
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
+from verl_arpo.workers.sharded_model import enable_activation_checkpointing
 from verl_arpo.utils.job_config import ActorConfig, PolicyLossConfig
 from worker_configs import actor_kwargs, log_probs
 
@@ -479,7 +480,7 @@ def test_every_training_forward_runs_without_cudnn_attention_on_cuda(model, monk
     for mod in (training_core, dp_actor):
         monkeypatch.setattr(mod, "without_cudnn_attention", as_on_cuda)
     m = copy.deepcopy(model)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(m)
     m.train()
     seen = []
     attention = m.model.layers[0].self_attn   # inside the checkpointed region: it runs again in backward

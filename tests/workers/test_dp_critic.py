@@ -6,6 +6,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.critic import dp_critic
 from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic
+from verl_arpo.workers.sharded_model import enable_activation_checkpointing
 from worker_configs import critic_kwargs
 
 P, R = 5, 7
@@ -172,7 +173,7 @@ def test_critic_forwards_and_their_rerun_in_backward_run_without_cudnn_attention
     for mod in (training_core, dp_critic):
         monkeypatch.setattr(mod, "without_cudnn_attention", lambda device: real(torch.device("cuda")))
     m = copy.deepcopy(critic)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(m)
     seen = []
     m.model.layers[0].self_attn.register_forward_pre_hook(
         lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))

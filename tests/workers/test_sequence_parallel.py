@@ -15,6 +15,7 @@ import torch
 from verl_arpo.protocol import DataProto
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic
+from verl_arpo.workers.sharded_model import enable_activation_checkpointing
 from test_dp_actor import P, _free_port, make_batch
 from worker_configs import actor_kwargs, critic_kwargs, log_probs
 
@@ -50,7 +51,7 @@ def load(model_dir, checkpointing=False):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model
 
 

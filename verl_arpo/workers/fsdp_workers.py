@@ -30,6 +30,7 @@ from verl_arpo.utils.ulysses import build_sequence_parallel
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, move_optimizer_state
 from verl_arpo.workers.sequence_parallel import gather_group_data, local_rows
 from verl_arpo.workers.sharded_model import (attn_implementation,
+    enable_activation_checkpointing,
     fsdp_mixed_precision,
     init_sharded_model,
     load_causal_lm,
@@ -350,7 +351,7 @@ class CriticWorker(Worker, _FSDPModelMixin):
             else:
                 model = AutoModelForTokenClassification.from_pretrained(mcfg.path, config=hf_config, **kw)
             if mcfg.enable_gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(model)
             return model
 
         self.critic_module = init_sharded_model(lambda: build(False), lambda: build(True),

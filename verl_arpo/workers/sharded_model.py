@@ -55,7 +55,7 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attn: str |
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs, **dict(override_config or {}))
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -63,6 +63,20 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attn: str |
         model = get_peft_model(model, LoraConfig(r=int(lora_rank), lora_alpha=int(lora_alpha), target_modules=tm,
                                                  bias="none", task_type="CAUSAL_LM"))
     return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation (gradient) checkpointing on every decoder layer of an HF model.
+
+    Non-reentrant: it needs no input that requires grad (LoRA freezes the embeddings), and the
+    reentrant form is the one PyTorch deprecates. transformers 5.24 renamed the method to
+    `activation_checkpointing_enable` and warns on the old name, which v6 removes; releases before
+    the rename have only `gradient_checkpointing_enable`."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def init_sharded_model(load_full, build_empty, shard, device: torch.device, *, offload: bool = False) -> torch.nn.Module:
