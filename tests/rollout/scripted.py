@@ -22,7 +22,9 @@ class Turn:
 
 @dataclass
 class ScriptedEngine(InferenceEngine):
-    """`script(request, round_k) -> Turn`, where round_k counts this request id's calls."""
+    """`script(request, round_k) -> Turn`, where round_k is the trajectory's round: the number of tool
+    results (`</result>`) in its context, so that a branch forked at a tool-result boundary (or after
+    a whole round) continues with the round it is at."""
 
     tokenizer: object
     script: Callable[[GenRequest, int], Turn]
@@ -35,10 +37,8 @@ class ScriptedEngine(InferenceEngine):
     def generate(self, requests):
         self.calls.append(list(requests))
         outs = []
-        before = dict(self.rounds)
         for r in requests:
-            # a branch continues its parent's round count (as it was before this call)
-            k = before.get(r.request_id, before.get(r.parent_id, 0) if r.parent_id else 0)
+            k = self.tokenizer.decode(r.prompt_ids).count("</result>")
             self.rounds[r.request_id] = k + 1
             turn = self.script(r, k)
             ids = self.tokenizer.encode(turn.text, add_special_tokens=False)

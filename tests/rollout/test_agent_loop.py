@@ -159,29 +159,32 @@ def _branch_rounds(out, n_prompts, n):
     return br
 
 
+@pytest.mark.parametrize("timing", ["after_result", "before_call"])
 @pytest.mark.parametrize("rule", ["arpo", "aepo"])
-def test_branch_probability_follows_the_formula(tiny_tokenizer, rule, mode):
+def test_branch_probability_follows_the_formula(tiny_tokenizer, rule, mode, timing):
     tok = tiny_tokenizer
     P, bp, w = 600, 0.3, 0.2
-    # round entropies: 1.0 then 2.0 → ΔH = 0 after round 0 and 1.0 after round 1; pre-monitoring
-    # (AEPO) sees H_root = 0 < H̄ = 1.5 → m_i = 1
+    # round entropies 1.0, 2.0, 9.0 (two calls, then the answer); pre-monitoring (AEPO) sees
+    # H_root = 0 < H̄ → m_i = 1. before_call draws after rounds 0 and 1 with ΔH = 0 and 1.0;
+    # after_result draws after rounds 1 and 2 (the tokens after results 1 and 2) with ΔH = 1.0 and
+    # 8.0, and its branches fork at those rounds' starts (branch_round = round − 1).
     def script(req, k):
         if req.request_id.startswith("pm-root-"):
             return Turn("abc", entropy=0.0, finish="length")
         return Turn(CALL if k < 2 else ANSWER, entropy=[1.0, 2.0, 9.0][k])
 
-    cfg = dict(n=2, initial_rollouts=1, beam_size=2, branch_probability=bp, entropy_weight=w, seed=7)
+    cfg = dict(n=2, initial_rollouts=1, beam_size=2, branch_probability=bp, entropy_weight=w, seed=7,
+               entropy_timing=timing)
     if rule == "aepo":
         cfg.update(branch_rule="aepo", enable_dynamic_rollouts=True, branch_penalty_gamma=0.0)
     loop, _ = _loop(tok, mode=mode, script=script, **cfg)
     out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
     br = _branch_rounds(out, P, 2)[:, 1]  # the second trajectory of each prompt: a branch or a refill
-    if rule == "arpo":
-        p0 = bp  # U < bp
-        p1 = bp + w * 1.0
-    else:
-        p0 = 1 - bp  # U ≥ bp
-        p1 = 1 - (bp - w * 1.0)
+    dh = (0.0, 1.0) if timing == "before_call" else (1.0, 8.0)
+    if rule == "arpo":   # U < clip(bp + w·ΔH)
+        p0, p1 = (min(1.0, bp + w * d) for d in dh)
+    else:                # U ≥ bp − w·ΔH (γ = 0)
+        p0, p1 = (min(1.0, 1 - (bp - w * d)) for d in dh)
         assert out.meta_info["metrics"]["rollout/pre_monitor_tool_calls"] == 2 * P
     want = {0: p0, 1: (1 - p0) * p1}
     for r, p in want.items():
@@ -202,7 +205,7 @@ def test_aepo_consecutive_branch_penalty(tiny_tokenizer):
     # γ = 1: a prompt that gained a trajectory last round cannot branch this round
     loop, _ = _loop(tok, script, n=4, initial_rollouts=1, beam_size=2, branch_probability=0.5,
                     entropy_weight=0.0, branch_rule="aepo", enable_dynamic_rollouts=True, branch_penalty_gamma=1.0,
-                    dynamic_rollout_beta=50.0, seed=3)
+                    dynamic_rollout_beta=50.0, seed=3, entropy_timing="before_call")
     out = loop.generate_sequences(_prompts(tok, [f"q{i}" for i in range(P)]))
     br = np.array(out.non_tensor_batch["branch_round"], dtype=int).reshape(P, 4)
     parents = np.array(out.non_tensor_batch["parent_id"], dtype=object).reshape(P, 4)
@@ -224,10 +227,12 @@ def test_aepo_consecutive_branch_penalty(tiny_tokenizer):
     assert saw_unpenalised_round1
 
 
-def test_slot_budget_never_exceeded_and_same_seed_same_tree(tiny_tokenizer, mode):
+@pytest.mark.parametrize("timing", ["after_result", "before_call"])
+def test_slot_budget_never_exceeded_and_same_seed_same_tree(tiny_tokenizer, mode, timing):
     tok = tiny_tokenizer
     script = calls_then_answer(3, entropies=[1.0, 3.0, 5.0, 5.0])
-    cfg = dict(n=5, initial_rollouts=2, beam_size=3, branch_probability=0.9, entropy_weight=0.5, seed=11)
+    cfg = dict(n=5, initial_rollouts=2, beam_size=3, branch_probability=0.9, entropy_weight=0.5, seed=11,
+               entropy_timing=timing)
     loop, _ = _loop(tok, mode=mode, script=script, **cfg)
     a = loop.generate_sequences(_prompts(tok, ["a", "b", "c"], step=4))
     assert list(a.non_tensor_batch["uid"]) == ["u0"] * 5 + ["u1"] * 5 + ["u2"] * 5
@@ -235,13 +240,14 @@ def test_slot_budget_never_exceeded_and_same_seed_same_tree(tiny_tokenizer, mode
     # every slot is an initial trajectory, a branch, a refill or a duplicate
     assert 3 * 2 + m["rollout/branches"] + m.get("rollout/fresh_refills", 0) + m.get("rollout/duplicates", 0) == 15
     if mode == "sync_with_tool":
-        assert m["rollout/branches"] == 9   # this seed's draws, in round order
+        assert m["rollout/branches"] == 9   # this seed's draws fill all 3 × 3 free slots
     else:
         # async: siblings may race for a prompt's last slot (docs/algorithms.md, "Asynchronous
         # rollout"); with 2 calls and one branch per result, 2 trajectories can reach 8 = n, so no
         # race can happen and the tree must be the same twice
         script = calls_then_answer(2, entropies=[1.0, 3.0, 5.0])
-        cfg = dict(n=8, initial_rollouts=2, beam_size=2, branch_probability=0.9, entropy_weight=0.5, seed=11)
+        cfg = dict(n=8, initial_rollouts=2, beam_size=2, branch_probability=0.9, entropy_weight=0.5, seed=11,
+                   entropy_timing=timing)
         loop, _ = _loop(tok, mode=mode, script=script, **cfg)
         a = loop.generate_sequences(_prompts(tok, ["a", "b", "c"], step=4))
         assert a.meta_info["metrics"]["rollout/branches"] > 0

@@ -2,8 +2,9 @@
 
 Nodes are rounds (one generation + its tool call), edges are continuation or branches. A branch
 copies its parent's state after round `branch_round` and owns the rounds after it. Each node shows
-the round entropy H, the tool it called and, at a leaf, the reward; hovering shows the tool input
-and result.
+the round entropy H, the tool it called, the branch draws made on that round (ΔH against
+H_initial, the probability p that a draw fires, ✓ for a branch) and, at a leaf, the reward;
+hovering shows the tool input and result and each draw in full.
 
     python -m verl_arpo.utils.rollout_tree checkpoints/x/rollout/rollout_3.jsonl --uid <uid> -o tree.html
 """
@@ -43,7 +44,9 @@ def tree_layout(records: list[dict]) -> tuple[list[dict], list[tuple[tuple, tupl
         calls = r.get("tool_calls") or []
         for k in range(first, last + 1):
             call = calls[k] if k < len(calls) else None
+            draws = [d for d in r.get("branch_decisions") or [] if d.get("round") == k]
             nodes.append({
+                "draws": draws,
                 "key": (r["traj_id"], k), "round": k, "lane": lane,
                 "entropy": entropies[k] if k < len(entropies) else None,
                 "tool": call["tag"] if call else None,
@@ -76,7 +79,12 @@ def render_html(records: list[dict], title: str = "") -> str:
         line2 = f"<{n['tool']}>" if n["tool"] else ("end" if n["reward"] is not None else "")
         if n["reward"] is not None:
             line2 += f"  R={n['reward']:.2f}"
-        parts.append(f'<g><title>{html.escape(n["traj_id"] + " round " + str(n["round"]) + chr(10) + n["tip"])}</title>'
+        if n["draws"]:
+            d0 = n["draws"][0]
+            line2 += f" ΔH={d0['delta_h']:+.2f} p={d0['p']:.2f} " + "".join("✓" if d["branched"] else "·" for d in n["draws"])
+        tip = n["tip"] + "".join(f"\ndraw at step {d['step']}: H={d['h']:.3f} H_initial={d['h_initial']:.3f} "
+                                 f"ΔH={d['delta_h']:+.3f} p={d['p']:.3f} → {d['child'] or 'no branch'}" for d in n["draws"])
+        parts.append(f'<g><title>{html.escape(n["traj_id"] + " round " + str(n["round"]) + chr(10) + tip)}</title>'
                      f'<rect x="{x}" y="{y}" width="{NODE_W}" height="{NODE_H}" rx="6" fill="{color}" stroke="#556"/>'
                      f'<text x="{x + 6}" y="{y + 16}">{html.escape(n["traj_id"])} r{n["round"]} H={h}</text>'
                      f'<text x="{x + 6}" y="{y + 33}">{html.escape(line2)}</text></g>')

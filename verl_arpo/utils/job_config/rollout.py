@@ -18,6 +18,8 @@ RolloutMode = Literal["sync_with_tool", "async_with_tool"]
 ROLLOUT_MODES = choices(RolloutMode)
 """rollout.mode: rounds with barriers (agent_loop.py) or none (async_agent_loop.py)."""
 EntropyMode = Literal["topk_proxy", "full"]
+EntropyTiming = Literal["after_result", "before_call"]
+"""rollout.entropy_timing: when ΔH is measured (branching.py; docs/algorithms.md "When the entropy is measured")."""
 
 VLLM_ONLY_KEYS = {"enforce_eager": True, "load_format": "auto", "max_num_batched_tokens": 8192, "max_num_seqs": 1024}
 """vLLM engine arguments passed through from the rollout section, with their YAML defaults."""
@@ -104,6 +106,9 @@ class RolloutSection:
     entropy_weight: float = 0.2
     entropy_mode: EntropyMode = "topk_proxy"
     entropy_window: int = 20
+    entropy_timing: EntropyTiming = field(default="after_result", metadata={
+        "hint": "after_result: the paper's timing (the k tokens after each tool result); before_call: the "
+                "reference's (the round that ended in the call; first-call draws see ΔH = 0)"})
     entropy_topk: int = 10
     enable_dynamic_rollouts: bool = False
     dynamic_rollout_beta: float = 0.5

@@ -7,14 +7,21 @@ One code path for GRPO, ARPO and AEPO; the branch rule is a switch (see branchin
     1. budget     m0 = min(initial_rollouts, n) per prompt, or AEPO's m_i from pre-monitoring
                   (`enable_dynamic_rollouts`)
     2. rounds     every active trajectory generates until EOS, a tool's stop string (`</python>`,
-                  `</search>`) or its *own* remaining length budget; its round entropy H_k is
-                  recorded (the first round sets its base H0_k)
+                  `</search>`) or its *own* remaining length budget; its round entropy H_k (the
+                  first `entropy_window` tokens of the round) is recorded; the first round sets
+                  H_initial = H0_k
     3. tools      each stop string runs the tool on the text between the last `<tag>` and `</tag>`
                   of *this round's generated text*; ` <result>\\n…\\n</result>` is appended with
                   loss mask 0. Past `call_limit`, a forced EOS (mask 0) ends the trajectory.
-    4. branch     for each prompt with free slots, each active trajectory draws up to beam_size−1
-                  times with `branch_rule` (arpo or aepo; ΔH = H_k − H0_k); a branch copies the
-                  state and diverges at the next token
+    4. branch     for each prompt with free slots, each trajectory due a draw draws up to
+                  beam_size−1 times with `branch_rule` (arpo or aepo; ΔH = H_k − H0_k), by
+                  `entropy_timing`:
+                    after_result  (default; the paper) a trajectory whose round r ≥ 1 (the tokens
+                                  after tool result r) just ended: a branch forks at that round's
+                                  start, the tool-result boundary, and samples its own round r
+                    before_call   (the reference) every active trajectory, with the round that
+                                  ended in its latest call; a branch copies the whole state
+                  every draw (step, H, H_initial, ΔH, p, outcome) is kept on the trajectory that made it
     5. refill     a prompt with no active trajectory but fewer than n gets one fresh trajectory
     6. output     exactly n trajectories per prompt, grouped by prompt, as a DataProto
 
@@ -73,6 +80,9 @@ class Trajectory:
     branch_round: int = -1
     branch_pos: int = -1
     tool_calls: list[dict] = field(default_factory=list)
+    round_starts: list[int] = field(default_factory=list)  # response position where each round began
+    draws: list[dict] = field(default_factory=list)  # branch draws made on this trajectory's own rounds
+    drawn_round: int = 0  # after_result: the last round that had its draws (round 0 follows no tool result)
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -85,6 +95,20 @@ class Trajectory:
         child.traj_id, child.parent_id = new_id, self.traj_id
         child.branch_round, child.branch_pos = len(self.round_entropies) - 1, len(self.response_ids)
         child.base_entropy, child.delta_entropy = None, 0.0  # a branch records its own H0
+        child.draws = []
+        return child
+
+    def fork_at_round(self, new_id: str, r: int) -> "Trajectory":
+        """after_result: a branch holding the state at round r's start (right after tool result r),
+        which samples its own round r. It shares rounds 0..r−1 with its parent, so it keeps
+        H_initial, and its round r is not drawn again (the parent drew for that boundary)."""
+        child = copy.deepcopy(self)
+        pos = self.round_starts[r]
+        child.traj_id, child.parent_id, child.branch_round, child.branch_pos = new_id, self.traj_id, r - 1, pos
+        child.response_ids, child.loss_mask, child.logprobs = child.response_ids[:pos], child.loss_mask[:pos], child.logprobs[:pos]
+        child.round_entropies, child.round_starts = child.round_entropies[:r], child.round_starts[:r]
+        child.tool_calls, child.num_tool_calls = child.tool_calls[:r], r
+        child.done, child.finish_reason, child.delta_entropy, child.draws, child.drawn_round = False, "", 0.0, [], r
         return child
 
 
@@ -225,6 +249,7 @@ class AgentLoop:
         content), or None when the trajectory ended (EOS, length, call limit)."""
         cfg = self.cfg
         self._stats["rollout/tokens_generated"] += len(out.token_ids)
+        t.round_starts.append(len(t.response_ids))
         t.append(list(out.token_ids), 1, list(out.logprobs) if cfg.calculate_log_probs else None)
         h = branching.round_entropy(out, cfg.entropy_mode, self.vocab_size, cfg.entropy_window)
         t.round_entropies.append(h)
@@ -268,22 +293,49 @@ class AgentLoop:
     # ---------------------------------------------------------------------------------------
     def _branch(self, groups: list[list[Trajectory]], rule: str, rng: np.random.Generator,
                 consecutive: list[int], n: int) -> list[bool]:
-        """Step 4: draws for every active trajectory of every prompt with free slots."""
-        cfg = self.cfg
-        decide = branching.get_branch_rule(rule)
+        """Step 4 (sync): the draws of every trajectory due one, prompt by prompt, in group order."""
         gained = [False] * len(groups)
         for i, group in enumerate(groups):
-            for t in [t for t in group if not t.done]:
-                for _ in range(cfg.beam_size - 1):
-                    if len(group) >= n:
-                        break
-                    self._stats["rollout/branch_draws"] += 1  # the rule's chances: branches / draws = its fire rate
-                    if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
-                              entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
-                        group.append(t.branch(self._next_id(i)))
-                        gained[i] = True
-                        self._stats["rollout/branches"] += 1
+            for t in [t for t in group if self._due_draw(t)]:
+                gained[i] |= bool(self._draw(t, group, rule, rng, consecutive[i], n, lambda j, i=i: self._next_id(i)))
         return gained
+
+    def _due_draw(self, t: Trajectory) -> bool:
+        """before_call: every active trajectory after each round. after_result: a trajectory whose
+        latest round r ≥ 1 (generated after tool result r) has not drawn yet, finished or not."""
+        if self.cfg.entropy_timing == "before_call":
+            return not t.done
+        return len(t.round_entropies) - 1 > t.drawn_round
+
+    def _draw(self, t: Trajectory, group: list[Trajectory], rule: str, rng: np.random.Generator, consecutive: int,
+              n: int, new_id) -> list[Trajectory]:
+        """Up to beam_size − 1 draws for `t` while its prompt has free slots (both modes). `new_id(j)`
+        names the j-th draw's branch. Each draw is recorded on `t` with what decided it."""
+        cfg, after = self.cfg, self.cfg.entropy_timing == "after_result"
+        decide, r = branching.get_branch_rule(rule), len(t.round_entropies) - 1
+        if after:
+            t.drawn_round = r
+        children = []
+        for j in range(cfg.beam_size - 1):
+            if len(group) >= n:
+                break
+            self._stats["rollout/branch_draws"] += 1  # the rule's chances: branches / draws = its fire rate
+            d = decide(rng, t.delta_entropy, consecutive, branch_probability=cfg.branch_probability,
+                       entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma)
+            child = None
+            if d.fired:
+                child = t.fork_at_round(new_id(j), r) if after else t.branch(new_id(j))
+                group.append(child)
+                children.append(child)
+                self._stats["rollout/branches"] += 1
+            self._stats["rollout/branch_draws_zero_dh"] += t.delta_entropy == 0.0
+            self._stats["rollout/branch_p_sum"] += d.p
+            self._stats["rollout/branch_abs_dh_sum"] += abs(t.delta_entropy)
+            # step t: the tool result the entropy follows (after_result) or the call that ended the round
+            t.draws.append({"step": r if after else t.num_tool_calls, "round": r, "h": t.round_entropies[r],
+                            "h_initial": t.base_entropy, "delta_h": t.delta_entropy, "p": d.p, "u": d.u,
+                            "branched": bool(d.fired), "child": child.traj_id if child else None})
+        return children
 
     def _refill(self, group: list[Trajectory], prompt_ids: list[int], n: int) -> bool:
         """Step 5: one fresh trajectory for a prompt with no active trajectory and fewer than n."""
@@ -349,6 +401,7 @@ class AgentLoop:
             "num_tool_calls": np.array([t.num_tool_calls for t in trajs], dtype=object),
             "round_entropies": as_object_array([list(t.round_entropies) for t in trajs]),
             "tool_calls": as_object_array([list(t.tool_calls) for t in trajs]),
+            "branch_decisions": as_object_array([list(t.draws) for t in trajs]),
             "finish_reason": as_object_array([t.finish_reason for t in trajs]),
         }
         if "uid" in prompts.non_tensor_batch:
@@ -358,6 +411,12 @@ class AgentLoop:
 
     def _metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
         m = dict(self._stats)
+        draws = m.pop("rollout/branch_draws", 0.0)
+        p_sum, dh_sum = m.pop("rollout/branch_p_sum", 0.0), m.pop("rollout/branch_abs_dh_sum", 0.0)
+        if draws:   # what steered the draws: a p pinned at branch_probability means the entropy did not
+            m["rollout/branch_draws"] = draws
+            m["rollout/branch_p_mean"] = p_sum / draws
+            m["rollout/branch_abs_delta_h_mean"] = dh_sum / draws
         in_traj = sum(sum(t.loss_mask) for t in trajs)
         m["rollout/tokens_in_trajectories"] = float(in_traj)
         m["rollout/generated_per_traj_token"] = m.get("rollout/tokens_generated", 0.0) / max(1, in_traj)

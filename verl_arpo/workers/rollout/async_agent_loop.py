@@ -8,8 +8,10 @@ that nothing waits for a round:
                   a trajectory whose generation ends on a tool's stop string starts its tool
                   call on a worker thread while the engine keeps decoding the others
     3. tool       its result (mask 0) is appended as soon as it is in
-    4. branch     at that moment, from the trajectory's *own* ΔH, against its prompt's free slots
-                  (never more than n per prompt); parent and branches are queued at once
+    4. branch     from the trajectory's *own* ΔH, against its prompt's free slots (never more than n
+                  per prompt): under after_result (default) when the round after a tool result
+                  ends (the branches fork at that result and are queued at once); under
+                  before_call when the tool result comes in (parent and branches queued together)
     5. refill     a prompt whose trajectories have all finished, still short of n, gets a fresh one
     6. output     exactly n per prompt, the same DataProto as sync mode
 
@@ -37,7 +39,6 @@ import numpy as np
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.utils.progress import Progress
-from verl_arpo.workers.rollout import branching
 from verl_arpo.workers.rollout.agent_loop import AgentLoop, Trajectory
 from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
 
@@ -76,6 +77,8 @@ class AsyncAgentLoop(AgentLoop):
                 for req, out in outputs:
                     t = by_id[req.request_id]
                     call = self._take_output(t, out)
+                    if cfg.entropy_timing == "after_result" and self._due_draw(t):
+                        start(self._branch_one(t, groups[t.prompt_idx], rule, consecutive, n))
                     if call is None:
                         finished(t)
                     else:
@@ -91,7 +94,8 @@ class AsyncAgentLoop(AgentLoop):
                 if t.done:
                     finished(t)
                     continue
-                start([t, *self._branch_one(t, groups[t.prompt_idx], rule, consecutive, n)])
+                before_call = cfg.entropy_timing == "before_call"
+                start([t, *(self._branch_one(t, groups[t.prompt_idx], rule, consecutive, n) if before_call else [])])
             progress(lambda: self._counts(groups), force=all(t.done for g in groups for t in g))
 
         # 6. exactly n per prompt (as in sync mode), in trajectory-id order (completion order is timing)
@@ -123,20 +127,10 @@ class AsyncAgentLoop(AgentLoop):
 
     def _branch_one(self, t: Trajectory, group: list[Trajectory], rule: str, consecutive: list[int],
                     n: int) -> list[Trajectory]:
-        """Step 4 for one trajectory whose tool result just came in: up to beam_size − 1 draws
-        while its prompt has free slots."""
-        cfg, i = self.cfg, t.prompt_idx
-        decide, rng = branching.get_branch_rule(rule), self._stream(t, 1)
-        branches = []
-        for j in range(cfg.beam_size - 1):
-            if len(group) >= n:
-                break
-            self._stats["rollout/branch_draws"] += 1
-            if decide(rng, t.delta_entropy, consecutive[i], branch_probability=cfg.branch_probability,
-                      entropy_weight=cfg.entropy_weight, penalty_gamma=cfg.branch_penalty_gamma):
-                branches.append(t.branch(f"{t.traj_id}-r{len(t.round_entropies) - 1}b{j}"))
-                group.append(branches[-1])
-                self._stats["rollout/branches"] += 1
+        """Step 4 for one trajectory due its draws: up to beam_size − 1 while its prompt has free
+        slots, from the trajectory's own stream; branch ids derive from the parent's id and round."""
+        i, r = t.prompt_idx, len(t.round_entropies) - 1
+        branches = self._draw(t, group, rule, self._stream(t, 1), consecutive[i], n, lambda j: f"{t.traj_id}-r{r}b{j}")
         if rule != "none":
             consecutive[i] = consecutive[i] + 1 if branches else 0
         return branches

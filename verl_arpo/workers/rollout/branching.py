@@ -4,14 +4,23 @@
 Symbols follow the papers (ARPO arXiv 2507.19849, AEPO arXiv 2510.14545):
     H_k      round entropy of trajectory k: entropy of the first ≤ `window` tokens it generated this
              round (right after the previous `</result>`, or at the response start)
-    H0_k     base entropy: the first round entropy recorded for trajectory k. A branch records its
-             own first round, so its first ΔH is 0.
+    H0_k     base entropy (H_initial): the first round entropy of trajectory k. Under after_result a
+             branch inherits it; under before_call a branch records its own, so its first ΔH is 0.
     ΔH_k     H_k − H0_k
     n        rollout.n, trajectories per prompt at the end
     m0       initial trajectories per prompt: min(initial_rollouts, n), or m_i under AEPO's
              pre-monitoring. GRPO is the case initial_rollouts = n (never a free slot, never a branch).
 
-Branch rules (`rollout.branch_rule`, one draw each; `rng` is the rollout's seeded numpy Generator):
+When ΔH is measured (`rollout.entropy_timing`, docs/algorithms.md "When the entropy is measured"):
+    after_result  (default, the paper's timing) the draw for tool step t uses H_t, the entropy of the
+                  first `window` tokens generated *after* tool result t, against H_initial, the first
+                  round's; branches fork at the tool-result boundary and sample their own continuation.
+                  A branch inherits H_initial (its first round is its parent's).
+    before_call   (the reference's) the draw after call t uses the round that *ended* in call t, so
+                  every first-call draw has ΔH = 0; a branch records its own H0.
+
+Branch rules (`rollout.branch_rule`, one draw each; `rng` is the rollout's seeded numpy Generator;
+each returns a `BranchDraw`: whether it fired, the probability that it fires at this ΔH, the uniform):
     arpo:  p = clip(branch_probability + entropy_weight·ΔH, 0, 1);   branch iff U < p
     aepo:  p = clip((U + entropy_weight·ΔH)·max(0, 1 − γ·c_i), 0, 1); branch iff p ≥ branch_probability
            c_i = consecutive rounds in which prompt i gained a new trajectory (branch penalty).
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,6 +48,14 @@ from verl_arpo.utils.job_config.rollout import EntropyMode
 from verl_arpo.utils.job_config.typed import choices
 
 ENTROPY_MODES = choices(EntropyMode)   # the config's Literal: one list of accepted names
+
+
+class BranchDraw(NamedTuple):
+    """One draw of a branch rule: `fired`, `p` = P(fire | ΔH, c_i) under the rule, `u` its uniform."""
+
+    fired: bool
+    p: float
+    u: float
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,18 +96,18 @@ def round_entropy(output, mode: str, vocab_size: int, window: int = 20) -> float
 # --------------------------------------------------------------------------------------------
 # Branch rules (a registry: a new rule is one registered function)
 # --------------------------------------------------------------------------------------------
-BRANCH_RULES: dict[str, Callable[..., bool]] = {}
+BRANCH_RULES: dict[str, Callable[..., BranchDraw]] = {}
 
 
 def register_branch_rule(name: str) -> Callable:
-    def deco(fn: Callable[..., bool]) -> Callable[..., bool]:
+    def deco(fn: Callable[..., BranchDraw]) -> Callable[..., BranchDraw]:
         BRANCH_RULES[name] = fn
         return fn
 
     return deco
 
 
-def get_branch_rule(name: str) -> Callable[..., bool]:
+def get_branch_rule(name: str) -> Callable[..., BranchDraw]:
     if name not in BRANCH_RULES:
         raise ValueError(f"unknown branching policy {name!r}; accepted: {sorted(BRANCH_RULES)}")
     return BRANCH_RULES[name]
@@ -97,9 +115,9 @@ def get_branch_rule(name: str) -> Callable[..., bool]:
 
 @register_branch_rule("none")
 def no_branch(rng: np.random.Generator, delta_h: float, consecutive: int, *, branch_probability: float,
-              entropy_weight: float, penalty_gamma: float) -> bool:
-    """GRPO: trajectories never branch."""
-    return False
+              entropy_weight: float, penalty_gamma: float) -> BranchDraw:
+    """GRPO: trajectories never branch (no uniform is consumed)."""
+    return BranchDraw(False, 0.0, float("nan"))
 
 
 def arpo_branch_probability(delta_h: float, branch_probability: float, entropy_weight: float) -> float:
@@ -109,9 +127,10 @@ def arpo_branch_probability(delta_h: float, branch_probability: float, entropy_w
 
 @register_branch_rule("arpo")
 def arpo_branch(rng: np.random.Generator, delta_h: float, consecutive: int, *, branch_probability: float,
-                entropy_weight: float, penalty_gamma: float) -> bool:
+                entropy_weight: float, penalty_gamma: float) -> BranchDraw:
     """ARPO: branch with probability clip(branch_probability + entropy_weight·ΔH, 0, 1)."""
-    return rng.random() < arpo_branch_probability(delta_h, branch_probability, entropy_weight)
+    u, p = float(rng.random()), arpo_branch_probability(delta_h, branch_probability, entropy_weight)
+    return BranchDraw(u < p, p, u)
 
 
 def aepo_branch_score(u: float, delta_h: float, consecutive: int, entropy_weight: float, penalty_gamma: float) -> float:
@@ -120,12 +139,27 @@ def aepo_branch_score(u: float, delta_h: float, consecutive: int, entropy_weight
     return min(1.0, max(0.0, (u + entropy_weight * delta_h) * penalty))
 
 
+def aepo_fire_probability(delta_h: float, consecutive: int, threshold: float, entropy_weight: float,
+                          penalty_gamma: float) -> float:
+    """P(aepo_branch_score(U, …) ≥ threshold) for U ~ U[0, 1).
+
+    With q = max(0, 1 − γ·c_i): score ≥ τ ⟺ U ≥ τ/q − w·ΔH (for τ ≤ 1; the clip at 1 changes nothing
+    then), so P = clip(1 − τ/q + w·ΔH, 0, 1); q = 0 fires only when τ ≤ 0.
+    """
+    q = max(0.0, 1.0 - penalty_gamma * consecutive)
+    if q == 0.0:
+        return 1.0 if threshold <= 0.0 else 0.0
+    return min(1.0, max(0.0, 1.0 - threshold / q + entropy_weight * delta_h))
+
+
 @register_branch_rule("aepo")
 def aepo_branch(rng: np.random.Generator, delta_h: float, consecutive: int, *, branch_probability: float,
-                entropy_weight: float, penalty_gamma: float) -> bool:
+                entropy_weight: float, penalty_gamma: float) -> BranchDraw:
     """AEPO: branch iff clip((U + w·ΔH)·max(0, 1 − γ·c_i), 0, 1) ≥ branch_probability (a threshold)."""
-    score = aepo_branch_score(rng.random(), delta_h, consecutive, entropy_weight, penalty_gamma)
-    return score >= branch_probability
+    u = float(rng.random())
+    score = aepo_branch_score(u, delta_h, consecutive, entropy_weight, penalty_gamma)
+    p = aepo_fire_probability(delta_h, consecutive, branch_probability, entropy_weight, penalty_gamma)
+    return BranchDraw(score >= branch_probability, p, u)
 
 
 # --------------------------------------------------------------------------------------------
