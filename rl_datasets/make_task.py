@@ -2,6 +2,7 @@
 
     python rl_datasets/make_task.py --seed 0                 # writes the committed files below
     python rl_datasets/make_task.py --seed 0 --out /tmp/task --tools configs/tools/python_only.yaml
+    python rl_datasets/make_task.py --fresh test_fresh --seed 202 --entity_seed 202   # a fresh split (below)
 
 Outputs (in --out, default rl_datasets/):
 - `train.parquet`, `valid.parquet`, `test.parquet`: verl rows (`data_source`, `prompt` = [system,
@@ -21,6 +22,14 @@ Three kinds of questions, each needing a tool a 135M model does not carry in its
 Train, valid and test use disjoint entities (70% / 10% / 20% of each type), so test facts were never
 seen in SFT. A fact question is kept only if the solver's query "<entity> <keyword>" ranks the
 entity's own document first, i.e. the task is solvable with the tools as configured.
+
+Fresh splits (`--fresh NAME --seed S --entity_seed E`): NAME.parquet holds 200 questions per kind
+about a *new* world of entities (make_corpus.make_world(E), names that clash with an existing
+entity dropped), with new numbers for the arithmetic (S); the world's documents are appended to
+search_cache/local_corpus_fresh.jsonl (the bundled corpus plus every fresh world), which the runs
+that use these splits search. The committed ones: valid_fresh (S = E = 101), the split every tuning
+choice is judged on, and test_fresh (S = E = 202), opened only by the confirmatory runs
+(benchmarks/compare_algorithms.py; docs/results.md).
 
 Every solver trajectory is checked: the tool outputs contain the answer, and `default_compute_score`
 gives it full marks (math: 1.0; deep_research: F1 = 1, plus the both-tools bonus for multi).
@@ -309,6 +318,102 @@ def write_outputs(splits: dict[str, list[dict]], out_dir: Path, system_prompt: s
     return stats
 
 
+# --------------------------------------------------------------------------- fresh splits
+BASE_CORPUS = ROOT / "search_cache" / "local_corpus.jsonl"
+FRESH_CORPUS = ROOT / "search_cache" / "local_corpus_fresh.jsonl"
+"""The bundled corpus plus the worlds of every fresh split (the experiment's corpus, docs/results.md)."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fresh_world(entity_seed: int, name: str, taken: set[str]) -> tuple[list[dict], dict[str, dict]]:
+    """A new world of fictional entities (search_cache/make_corpus.make_world(entity_seed)) for the
+    split `name`: its documents (ids prefixed `<name>-`) and its entities, without any entity whose
+    name is already `taken` (so a question never names an entity of another world)."""
+    mc = load_make_corpus()
+    docs, facts = mc.make_world(entity_seed)
+    clash = {f["entity"] for f in facts} & taken
+    docs = [{**d, "id": f"{name}-{d['id']}"} for d in docs if d["title"] not in clash]
+    facts = [{**f, "doc_id": f"{name}-{f['doc_id']}"} for f in facts if f["entity"] not in clash]
+    return docs, entities(facts)
+
+
+def extend_corpus(corpus: Path, docs: list[dict], name: str) -> list[dict]:
+    """`corpus` (the bundled one when it does not exist yet) with `docs` appended once: a second
+    call for the same split name finds its documents there and changes nothing."""
+    held = read_jsonl(corpus if corpus.exists() else BASE_CORPUS)
+    if not any(d["id"].startswith(f"{name}-") for d in held):
+        held += docs
+        tmp = corpus.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in held), encoding="utf-8")
+        tmp.replace(corpus)
+    return held
+
+
+def make_fresh_questions(seed: int, ents: dict[str, dict], per_kind: int, executor) -> tuple[list[dict], Counter]:
+    """`per_kind` questions of each kind, the lookups and two-step ones about `ents` only, each one
+    solved with the tools (as make_questions does for the bundled splits)."""
+    rng, solver = random.Random(seed), Solver(executor, random.Random(seed + 1))
+    pool = sorted(ents)
+    rows, seen, dropped = [], set(), Counter()
+    for kind in ("math", "search", "multi"):
+        made = 0
+        while made < per_kind:
+            if kind == "math":
+                q = _math_question(rng)
+            else:
+                name = rng.choice(pool)
+                q = (_search_question if kind == "search" else _multi_question)(rng, name, ents[name])
+            if q["question"] in seen:
+                dropped["duplicate"] += 1
+                continue
+            traj = solver.solve(q)
+            if traj is None:
+                dropped[f"unsolvable:{q['template']}"] += 1
+                continue
+            seen.add(q["question"])
+            q["trajectory"] = traj
+            rows.append(q)
+            made += 1
+    rng.shuffle(rows)
+    return rows, dropped
+
+
+def make_fresh_split(name: str, seed: int, entity_seed: int, per_kind: int, out_dir: Path,
+                     corpus: Path = FRESH_CORPUS) -> dict[str, Any]:
+    """Write `<out_dir>/<name>.parquet`: `per_kind` × 3 questions about a new world (entity_seed),
+    its documents appended to `corpus`. Its math numbers come from `seed`; its lookups name only new
+    entities, so no fact it asks was in the SFT data, the training prompts or another split."""
+    from verl_arpo.trainer.sft_data import SYSTEM_PROMPT
+    from verl_arpo.workers.rollout.tools import ToolExecutor
+    from verl_arpo.workers.rollout.tools.local_search_tool import LocalSearchTool
+    from verl_arpo.workers.rollout.tools.python_tool import PythonTool
+
+    taken = {d["title"] for d in read_jsonl(corpus if corpus.exists() else BASE_CORPUS)
+             if not d["id"].startswith(f"{name}-")}
+    docs, ents = fresh_world(entity_seed, name, taken)
+    extend_corpus(corpus, docs, name)
+    # the solver searches the extended corpus with the bundled tool settings (the SFT data's)
+    with ToolExecutor({"python": PythonTool(timeout=30), "search": LocalSearchTool(str(corpus), max_results=2,
+                                                                                 result_length=200)},
+                      max_workers=4, timeout=60, retry_count=2, call_limit=3) as executor:
+        qs, dropped = make_fresh_questions(seed, ents, per_kind, executor)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [to_parquet_row(q, name, i, SYSTEM_PROMPT) for i, q in enumerate(qs)]
+    check_scores(rows, [q["trajectory"] for q in qs])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{name}.parquet")
+    return {"split": name, "seed": seed, "entity_seed": entity_seed, "entities": len(ents),
+            "kinds": dict(sorted(Counter(q["kind"] for q in qs).items())),
+            "templates": len({q["template"] for q in qs}), "dropped_candidates": dict(sorted(dropped.items())),
+            "corpus": str(corpus), "corpus_docs": len(read_jsonl(corpus))}
+
+
 def main(argv: list[str] | None = None) -> None:
     from verl_arpo.trainer.sft_data import SYSTEM_PROMPT
     from verl_arpo.workers.rollout.tools import ToolExecutor
@@ -317,7 +422,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="tool YAML the solver runs (python + search)")
+    p.add_argument("--fresh", metavar="NAME", default=None,
+                   help="write only NAME.parquet: a fresh split about a new world of entities (--entity_seed), "
+                        "its documents appended to --corpus")
+    p.add_argument("--entity_seed", type=int, default=None, help="--fresh: the new world's seed")
+    p.add_argument("--per_kind", type=int, default=200, help="--fresh: questions per kind")
+    p.add_argument("--corpus", type=Path, default=FRESH_CORPUS, help="--fresh: the corpus the new world joins")
     args = p.parse_args(argv)
+    if args.fresh:
+        if args.entity_seed is None:
+            p.error("--fresh needs --entity_seed (the new world's seed; make_corpus's bundled world is seed 0)")
+        print(json.dumps(make_fresh_split(args.fresh, args.seed, args.entity_seed, args.per_kind, args.out,
+                                          args.corpus), indent=1))
+        return
     with ToolExecutor.from_config(args.tools) as executor:
         missing = {"python", "search"} - set(executor.tools)
         if missing:

@@ -128,6 +128,12 @@ def _build(seed: int) -> Tuple[List[Dict], List[Dict]]:
     return [docs[i] for i in order], facts
 
 
+def make_world(seed: int) -> Tuple[List[Dict], List[Dict]]:
+    """(documents, facts) of one seed's world, e.g. new entities for a fresh evaluation split
+    (rl_datasets/make_task.py --fresh)."""
+    return _build(seed)
+
+
 def make_corpus(seed: int = DEFAULT_SEED) -> List[Dict]:
     """Documents ``{"id", "title", "text"}`` for ``seed``."""
     return _build(seed)[0]

@@ -117,7 +117,7 @@ def _eval_report(correct, calls=1.0):
 
 def _result(algo, pair, correct, executed):
     return {"algo": algo, "pair": pair, "eval": ca.eval_record(_eval_report(correct)),
-            "train": {"per_step": {"reward": [0.1, 0.2]},
+            "train": {"per_step": {"reward": [0.1, 0.2]}, "trajectories_per_step": 4,
                       "mean": {"executed_tool_calls_per_traj": executed, "branches": 1.0, "tokens_generated": 10.0,
                                "tokens_trained": 20.0, "step_s": 3.0, "entropy_before_tools": None}},
             "wall_s": {"rl": 60.0, "eval": 5.0}}
@@ -142,7 +142,9 @@ def test_report_pairs_runs_compares_with_grpo_and_skips_unfinished_pairs(tmp_pat
     assert vs["executed_tool_calls_ratio_per_pair"] == pytest.approx([0.5, 0.25])
     assert rep["algos"]["grpo"]["train"]["executed_tool_calls_per_traj"] == (1.5, 1.0, 2.0)  # pair 2 left out
     md = ca.markdown(rep)
-    assert "| ARPO |" in md and "× 0.33" in md and "Seed pairs: 2 (0, 1)" in md
+    assert "| ARPO |" in md and "(0.33×)" in md and "Seed pairs: 2 (0, 1)" in md
+    assert vs["budget_ratio"]["executed_tool_calls"] == pytest.approx(0.5 / 1.5)
+    assert vs["accuracy_delta_per_pair"] == pytest.approx([1 / 6, 2 / 6])
     ca.picture(rep, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 
@@ -207,8 +209,8 @@ def test_bad_arguments_are_refused(capsys):
 def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     out, results = tmp_path / "cmp", tmp_path / "results"
     env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache"), "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_algorithms.py"), "--tiny", "--smoke", "--pairs", "1",
-           "--algos", "grpo,arpo", "--out", str(out), "--results", str(results),
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_algorithms.py"), "--protocol", "legacy", "--tiny",
+           "--smoke", "--pairs", "1", "--algos", "grpo,arpo", "--out", str(out), "--results", str(results),
            "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -218,6 +220,7 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     assert grpo == {**json.loads((out / "runs" / "grpo_pair0" / "result.json").read_text())}
     assert grpo["train"]["steps"] == 2 and grpo["train"]["trajectories_per_step"] == 3 * 4
     assert "data.seed=1" in grpo["overrides"] and "actor_rollout_ref.rollout.initial_rollouts=null" in grpo["overrides"]
+    assert grpo["commit"] and grpo["config_sha256"] and len(grpo["load_avg_start"]) == 3
     assert (results / "compare_algorithms.png").stat().st_size > 0 and "| GRPO |" in (results / "compare_algorithms.md").read_text()
     # kill ARPO's run (its completion marker is gone, a stray file is left): a re-run redoes ARPO from
     # scratch and reuses GRPO and the SFT model untouched
@@ -243,3 +246,110 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     assert r3.returncode == 0, r3.stdout[-3000:] + r3.stderr[-3000:]
     assert "sft: started" in r3.stdout and "rl: started" not in r3.stdout
     assert json.loads((results / "compare_algorithms.json").read_text())["algos"] == rep2["algos"]
+
+
+# --------------------------------------------------------------------------- issue 46: the protocol
+def test_seed_t_interval_by_hand():
+    """Per-pair means 0.02, 0.01, 0.04, 0.03: mean 0.025, s = 0.0129, t_{0.975,3} = 3.182."""
+    diff = np.array([[0.02] * 10, [0.01] * 10, [0.04] * 10, [0.03] * 10])
+    m, lo, hi = ca.seed_t_interval(diff)
+    s = math.sqrt(sum((x - 0.025) ** 2 for x in (0.02, 0.01, 0.04, 0.03)) / 3)
+    assert m == pytest.approx(0.025) and hi - m == pytest.approx(3.182 * s / 2) and m - lo == pytest.approx(hi - m)
+    assert math.isnan(ca.seed_t_interval(diff[:1])[1])     # one pair: no interval
+    from compare_stats import t975
+    assert t975(1) == 12.706 and t975(30) == 2.042 and 1.96 < t975(200) < 1.98
+
+
+def test_cluster_bootstrap_matches_a_plain_loop_and_is_wider_for_clustered_data():
+    rng = np.random.default_rng(4)
+    templates = [f"t{i % 5}" for i in range(100)]
+    effect = {f"t{j}": e for j, e in enumerate((-0.3, -0.1, 0.0, 0.2, 0.4))}   # the template decides the difference
+    diff = np.stack([[effect[t] + rng.normal(0, 0.05) for t in templates] for _ in range(3)])
+    mean, lo, hi = ca.cluster_bootstrap(diff, templates, n_boot=3000)
+    # the plain loop: draw pairs and templates, average every question of the drawn templates
+    r = random.Random(9)
+    names = sorted(set(templates))
+    means = []
+    for _ in range(3000):
+        ks = [r.randrange(3) for _ in range(3)]
+        cs = [r.choice(names) for _ in names]
+        vals = [diff[k][q] for k in ks for c in cs for q in range(100) if templates[q] == c]
+        means.append(sum(vals) / len(vals))
+    means.sort()
+    assert mean == pytest.approx(diff.mean())
+    assert lo == pytest.approx(means[75], abs=0.03) and hi == pytest.approx(means[2924], abs=0.03)
+    _, blo, bhi = ca.paired_bootstrap(diff, n_boot=3000)
+    assert hi - lo > 3 * (bhi - blo)   # questions of one template are not independent
+
+
+def test_budgets_per_step_and_per_prompt():
+    run = {"train": {"trajectories_per_step": 24, "mean": {
+        "tokens_generated": 1200.0, "tokens_trained": 6000.0, "step_s": 60.0, "tool_calls_in_traj_per_traj": 1.5,
+        "executed_tool_calls_per_traj": 0.5, "prompts": 6.0}}}
+    b = ca.budgets(run)
+    assert b["per_step"]["executed_tool_calls"] == 12.0 and b["per_prompt"]["executed_tool_calls"] == 2.0
+    assert b["per_prompt"]["tokens_generated"] == 200.0 and b["per_prompt"]["step_s"] == 10.0
+    assert b["per_prompt"]["tool_calls_in_traj_per_traj"] == 1.5     # already per trajectory
+
+
+def test_prompts_per_step_is_the_quickstarts():
+    import yaml
+
+    q = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    assert ca.PROMPTS_PER_STEP == q["data"]["train_batch_size"]
+    assert 3 * 2 == q["data"]["train_batch_size"] and ca.TWO_MINI_BATCHES == ["actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+
+
+def test_the_arms_are_config_switches_and_the_confirmatory_run_is_frozen(tmp_path, capsys):
+    assert set(ca.PROTOCOLS["confirm"].arms) == {"grpo", "arpo", "arpo_before_call", "arpo_w0", "aepo"}
+    assert "actor_rollout_ref.rollout.entropy_timing=after_result" in ca.ARMS["arpo"]
+    assert "actor_rollout_ref.rollout.entropy_weight=0" in ca.ARMS["arpo_w0"]
+    rec = ca.protocol_record(ca.PROTOCOLS["confirm"], 13, "fp32", [])
+    assert rec == ca.protocol_record(ca.PROTOCOLS["confirm"], 13, "fp32", [])
+    assert rec["config_sha256"] != ca.protocol_record(ca.PROTOCOLS["confirm"], 12, "fp32", [])["config_sha256"]
+    assert rec["eval_data"] == "rl_datasets/test_fresh.parquet" and "search_cache/local_corpus_fresh.jsonl" in rec["files_sha256"]
+    store = ca.Store(tmp_path / "confirm")
+    store.freeze(rec)
+    store.freeze(rec)   # the same config again: accepted
+    with pytest.raises(SystemExit, match="is frozen at config"):
+        store.freeze(ca.protocol_record(ca.PROTOCOLS["confirm"], 12, "fp32", []))
+    with pytest.raises(SystemExit):
+        ca.main(["--out", "/nonexistent/never-made", "actor_rollout_ref.actor.optim.lr=1e-5"])
+    assert "runs a frozen config" in capsys.readouterr().err
+
+
+def test_fresh_splits_ask_about_entities_no_other_split_or_sft_trajectory_names():
+    import pyarrow.parquet as pq
+
+    def rows(name):
+        return pq.read_table(ROOT / "rl_datasets" / f"{name}.parquet").to_pylist()
+    old = {n: rows(n) for n in ("train", "valid", "test")}
+    old_entities = {r["extra_info"]["entity"] for rs in old.values() for r in rs} - {""}
+    old_questions = {r["extra_info"]["question"] for rs in old.values() for r in rs}
+    sft_text = (ROOT / "rl_datasets" / "sft_train.jsonl").read_text()
+    corpus_titles = {json.loads(line)["title"] for line in
+                     (ROOT / "search_cache" / "local_corpus_fresh.jsonl").read_text().splitlines()}
+    seen: set = set()
+    for name in ("valid_fresh", "test_fresh"):
+        fresh = rows(name)
+        assert len(fresh) == 600 and {r["extra_info"]["split"] for r in fresh} == {name}
+        ents = {r["extra_info"]["entity"] for r in fresh} - {""}
+        qs = {r["extra_info"]["question"] for r in fresh}
+        assert len(qs) == 600 and not qs & old_questions and not qs & seen
+        assert not ents & old_entities and not ents & seen and ents <= corpus_titles
+        assert not any(e in sft_text for e in ents)
+        assert len({r["extra_info"]["template"] for r in fresh}) == 25
+        seen |= ents | qs
+
+
+def test_a_fresh_split_is_made_the_same_twice(tmp_path):
+    sys.path.insert(0, str(ROOT / "rl_datasets"))
+    import make_task
+
+    a = make_task.make_fresh_split("xs", 7, 7, 4, tmp_path / "a", corpus=tmp_path / "a.jsonl")
+    b = make_task.make_fresh_split("xs", 7, 7, 4, tmp_path / "b", corpus=tmp_path / "b.jsonl")
+    assert a["kinds"] == {"math": 4, "multi": 4, "search": 4}
+    assert (tmp_path / "a" / "xs.parquet").read_bytes() == (tmp_path / "b" / "xs.parquet").read_bytes()
+    n = a["corpus_docs"]
+    make_task.make_fresh_split("xs", 7, 7, 4, tmp_path / "a", corpus=tmp_path / "a.jsonl")   # again: appended once
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == n

@@ -66,8 +66,8 @@ import torch
 
 from verl_arpo.utils.job_config import JobConfig
 from verl_arpo.utils.reward_score import default_compute_score
-from verl_arpo.utils.reward_score.custom import (CustomRewardFunction, load_custom_reward_function,
-                                                 score_items)
+from verl_arpo.utils.reward_score.custom import (CustomRewardFunction, ScoringFailure,
+                                                 load_custom_reward_function, score_items)
 
 __all__ = ["NaiveRewardManager", "load_custom_reward_function", "get_custom_reward_fn",
            "register_reward_manager", "get_reward_manager_cls", "load_reward_manager",
@@ -172,6 +172,7 @@ class NaiveRewardManager:
         self.mp_start_method = mp_start_method
         self.score_timeout = float(score_timeout) if score_timeout and float(score_timeout) > 0 else None
         self._pool: ProcessPoolExecutor | None = None
+        self._serial_fallback = False   # the last batch was scored serially because the pool broke
         self._warm_pool: ProcessPoolExecutor | None = None   # the pool whose workers are started
         self._picklable: bool | None = None
         if unused:
@@ -222,6 +223,7 @@ class NaiveRewardManager:
     # -- scoring -----------------------------------------------------------------------------------
     def score_all(self, items: list[tuple[int, Any, str, Any, Any]]) -> list[Any]:
         """Score (index, data_source, solution_str, ground_truth, extra_info) tuples, in order."""
+        self._serial_fallback = False
         if not items:
             return []
         if not self._can_parallelize(len(items)):
@@ -237,7 +239,7 @@ class NaiveRewardManager:
             pool = self._get_pool()
             self._warm(pool)   # workers spawned and the scorer imported before the clock starts
             deadline = time.monotonic() + self.score_timeout if self.score_timeout else None
-            futures = [pool.submit(score_items, self.compute_score, chunk) for chunk in chunks]
+            futures = [pool.submit(score_items, self.compute_score, chunk, True) for chunk in chunks]
             results = []
             for chunk, future in zip(chunks, futures):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -253,8 +255,11 @@ class NaiveRewardManager:
                         f"{which} still being scored; the scoring processes were killed") from None
             return results
         except BrokenProcessPool as exc:
+            # [reliability: issue 51] the pool can break while its workers start (an OOM kill, a scorer module
+            # that crashes on import): the serial fallback gets the whole timeout, as start-up is not scoring
             logger.warning("reward worker pool broke (%s); scoring this batch serially", exc)
-            self._pool = None
+            self._pool, self._warm_pool, self._serial_fallback = None, None, True
+            deadline = time.monotonic() + self.score_timeout if self.score_timeout else None
             return self._score_serially(items, deadline)
 
     def _warm(self, pool: ProcessPoolExecutor) -> None:
@@ -280,14 +285,14 @@ class NaiveRewardManager:
         signal interrupts even a blocking call, and math-verify keeps its own alarm-based timeouts)
         or the wait for it (any other thread)."""
         if deadline is None:
-            return score_items(self.compute_score, items)
+            return score_items(self.compute_score, items, tolerate=True)
         current = [None]  # the sample being scored, for the error message
 
         def scored() -> list[Any]:
             out = []
             for item in items:
                 current[0] = item
-                out += score_items(self.compute_score, [item])
+                out += score_items(self.compute_score, [item], tolerate=True)
             return out
 
         def timeout_error() -> RewardTimeoutError:
@@ -391,13 +396,22 @@ class NaiveRewardManager:
         items = [(i, nt[self.reward_fn_key][i], texts[i], self._ground_truth(data, i),
                   None if extra is None else extra[i]) for i in range(n)]
         results = self.score_all(items)
+        failed = [r for r in results if isinstance(r, ScoringFailure)]
+        if failed and len(failed) == len(results):   # a broken scorer, not a bad row: stop and say why
+            raise RuntimeError(f"the reward function raised on all {n} samples of this batch (first: sample "
+                               f"{failed[0].index}, data_source={failed[0].data_source!r}: {failed[0].error}); fix "
+                               "custom_reward_function (or the scorer of that data source)")
+        if failed:
+            logger.warning("the reward function raised on %d of %d samples (first: sample %d, data_source=%r: %s); "
+                           "they score 0.0 (metric reward/scorer_errors)", len(failed), n, failed[0].index,
+                           failed[0].data_source, failed[0].error)
 
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         positions = self.score_positions(data).tolist()
         per_row: list[dict[str, Any]] = []
         non_finite = []
         for i, result in enumerate(results):
-            score, extras = _score_and_extras(result, i)
+            score, extras = (0.0, {}) if isinstance(result, ScoringFailure) else _score_and_extras(result, i)
             if not math.isfinite(score):  # a failed scoring of this sample, not a poisoned group
                 non_finite.append(i)
                 score = 0.0
@@ -415,7 +429,9 @@ class NaiveRewardManager:
             unplaced = sum(p < 0 for p in positions)
             return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info,
                     "reward_metrics": {"reward/rows_without_sampled_token": float(unplaced),
-                                       "reward/non_finite_scores": float(len(non_finite))}}
+                                       "reward/non_finite_scores": float(len(non_finite)),
+                                       "reward/scorer_errors": float(len(failed)),
+                                       "reward/serial_fallback_batches": float(self._serial_fallback)}}
         return reward_tensor
 
     def _examine(self, data: Any, items: list[tuple], results: list[Any], lengths: list[int]) -> None:

@@ -17,10 +17,10 @@ import importlib.util
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 from collections.abc import Callable, Iterable
 
-__all__ = ["load_custom_reward_function", "CustomRewardFunction", "score_items"]
+__all__ = ["load_custom_reward_function", "CustomRewardFunction", "score_items", "ScoringFailure"]
 
 _CACHE: dict[tuple[str, str, float], Callable[..., Any]] = {}
 
@@ -91,11 +91,22 @@ def load_custom_reward_function(path: Any, name: Any = "compute_score",
     return CustomRewardFunction(path, name, fn, reward_kwargs)
 
 
-def score_items(compute_score: Callable[..., Any], items: Iterable[tuple[int, Any, str, Any, Any]]) -> list[Any]:
+class ScoringFailure(NamedTuple):
+    """What `score_items(..., tolerate=True)` returns for a sample whose scorer raised."""
+
+    index: int
+    data_source: str
+    error: str
+
+
+def score_items(compute_score: Callable[..., Any], items: Iterable[tuple[int, Any, str, Any, Any]],
+                tolerate: bool = False) -> list[Any]:
     """Call `compute_score(data_source=, solution_str=, ground_truth=, extra_info=)` per item.
 
     `items` are (index, data_source, solution_str, ground_truth, extra_info). An exception from
-    the scorer propagates unchanged, with a note naming the sample index and data source.
+    the scorer propagates unchanged, with a note naming the sample index and data source; with
+    `tolerate` that sample's result is a `ScoringFailure` instead (the reward manager scores it 0
+    and counts it).
     """
     results = []
     for index, data_source, solution_str, ground_truth, extra_info in items:
@@ -103,6 +114,9 @@ def score_items(compute_score: Callable[..., Any], items: Iterable[tuple[int, An
             results.append(compute_score(data_source=data_source, solution_str=solution_str,
                                          ground_truth=ground_truth, extra_info=extra_info))
         except Exception as exc:
+            if tolerate:
+                results.append(ScoringFailure(int(index), str(data_source), f"{type(exc).__name__}: {exc}"[:500]))
+                continue
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"while scoring sample {index} (data_source={data_source!r})")
             raise
