@@ -45,6 +45,15 @@ logger = logging.getLogger(__name__)
 NODE_ID_LABEL = "ray.io/node-id"
 
 
+class ClusterTooSmallError(RuntimeError):
+    """The cluster can never hold the pool: fewer nodes with enough total CPUs/GPUs than it needs."""
+
+    def __init__(self, workers_per_node: int, nodes_needed: int, per_node: dict[str, float], nodes: list[dict]):
+        self.workers_per_node, self.nodes_needed, self.per_node, self.nodes = workers_per_node, nodes_needed, per_node, nodes
+        super().__init__(f"{nodes_needed} node(s) with {per_node} each are needed for {workers_per_node} workers per "
+                         f"node; the cluster's alive nodes have {nodes}")
+
+
 class RayResourcePool:
     """Placement groups for ``process_on_nodes`` workers, created on first use."""
 
@@ -132,9 +141,23 @@ class RayResourcePool:
                 logger.debug("remove_placement_group failed: %s", exc)
         self._pgs = None
 
+    def check_capacity(self) -> None:
+        """Raise `ClusterTooSmallError` at once when no set of alive nodes can ever hold the pool
+        (each entry of ``process_on_nodes`` on its own node, by the nodes' *total* resources), instead
+        of waiting out ``ready_timeout`` for a reservation that cannot succeed. A cluster that is only
+        busy passes: its reservation waits as before."""
+        need = {k: v * n for k, v in self.bundle().items() for n in [max(self._store)]}
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        fitting = sum(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in nodes)
+        if fitting < len(self._store):
+            have = [{k: res.get(k, 0.0) for k in ("CPU", "GPU") if k in res or k in need} for res in nodes]
+            raise ClusterTooSmallError(workers_per_node=max(self._store), nodes_needed=len(self._store),
+                                       per_node=need, nodes=have)
+
     def _create(self) -> list[PlacementGroup]:
         if not ray.is_initialized():
             raise RuntimeError("RayResourcePool needs a running Ray: call ray.init() first")
+        self.check_capacity()
         targets = self._pick_nodes()
         pgs = []
         for i, count in enumerate(self._store):

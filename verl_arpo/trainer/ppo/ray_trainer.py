@@ -142,6 +142,8 @@ class RayPPOTrainer(TrainerCheckpoints):
     def init_workers(self):
         self._acquire_run_lock()
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+        from verl_arpo.single_controller.ray.resource_pool import ClusterTooSmallError
+        from verl_arpo.utils.job_config import ConfigError
         from verl_arpo.utils.device import cuda_worker_env
         from verl_arpo.utils.secrets import secret_env_vars
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
@@ -153,6 +155,16 @@ class RayPPOTrainer(TrainerCheckpoints):
         cpus = 1 if use_gpu else cpu_threads_per_worker(_node_cpus(int(cfg.trainer.nnodes)), nodes[0])
         self.resource_pool = RayResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=2 if self.use_critic else 1,
                                              cpus_per_bundle=cpus)
+        try:   # [reliability: issue 51] seconds, not the reservation's timeout, before any model loads
+            self.resource_pool.check_capacity()
+        except ClusterTooSmallError as exc:
+            unit = "GPUs" if use_gpu else "CPUs"
+            fix = ("--config-name=cpu_tiny, or trainer.n_gpus_per_node=<CPUs per node, e.g. 2>" if not use_gpu
+                   else "trainer.n_gpus_per_node=<the GPUs a node has>")
+            raise ConfigError([("trainer.n_gpus_per_node", f"trainer.n_gpus_per_node={nodes[0]} x trainer.nnodes="
+                               f"{len(nodes)}: the cluster cannot hold {exc.workers_per_node} workers on each of "
+                               f"{exc.nodes_needed} node(s) (each needs {exc.per_node}; its nodes have {exc.nodes} "
+                               f"{unit}); set {fix}")]) from None
         timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
         env = cuda_worker_env((cfg.ray_init.runtime_env or {}).get("env_vars")) if use_gpu else {}
         self.actor_rollout_wg = RayWorkerGroup(

@@ -1,0 +1,41 @@
+"""Issue 51, item 2: a cluster too small for the configured workers stops within seconds, before
+any model loads, with one line naming trainer.n_gpus_per_node / trainer.nnodes, what the cluster
+has and the fix (exit code 2, as every config refusal), instead of waiting out the 120 s
+reservation and ending in a traceback."""
+import subprocess
+import sys
+import time
+
+import pytest
+from rel_helpers import write_tool_task
+from test_faults_training import ROOT, _cmd, _env
+
+
+def test_a_pool_the_cluster_can_never_hold_is_refused_at_once(ray_local):
+    from verl_arpo.single_controller.ray.resource_pool import ClusterTooSmallError, RayResourcePool
+
+    t0 = time.monotonic()
+    with pytest.raises(ClusterTooSmallError) as err:
+        RayResourcePool([64], cpus_per_bundle=1.0).get_placement_groups()   # 64 CPUs on an 8-CPU node
+    assert time.monotonic() - t0 < 10
+    assert err.value.per_node == {"CPU": 64.0} and err.value.nodes_needed == 1
+    assert err.value.nodes and all(n["CPU"] < 64 for n in err.value.nodes)
+    RayResourcePool([2], cpus_per_bundle=1.0).check_capacity()   # one that fits passes (busy or not)
+
+
+def test_eight_workers_on_a_two_cpu_cluster_stop_in_seconds_naming_the_keys(tiny_model_dir, tmp_path):
+    (tmp_path / "data").mkdir()
+    data = write_tool_task(tmp_path / "data", rows=4)
+    cmd = [a if a != "data.train_batch_size=2" else "data.train_batch_size=4"    # batches that split over 8 workers
+           for a in _cmd(tiny_model_dir, data, tmp_path / "out", "trainer.n_gpus_per_node=8", "ray_init.num_cpus=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=4")]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = err[-1]
+    assert "trainer.n_gpus_per_node=8 x trainer.nnodes=1" in last and "--config-name=cpu_tiny" in last, last
+    assert "'CPU': 2.0" in last and "Traceback" not in proc.stderr
+    assert took < 100, took          # the reservation's own timeout is 120 s
+    assert "Loading weights" not in proc.stdout + proc.stderr   # no model was loaded
