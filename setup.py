@@ -12,7 +12,7 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 # repository folder -> package that carries it in a wheel (verl_arpo.utils.resources reads them)
 BUNDLED = {"configs": ["*.yaml"], "configs/tools": ["*.yaml"],
-           "rl_datasets": ["*.parquet", "*.jsonl", "make_task.py"], "search_cache": ["local_corpus.jsonl", "make_corpus.py"]}
+           "rl_datasets": ["*.parquet", "*.jsonl", "make_task.py"], "search_cache": ["local_corpus.jsonl", "local_corpus_fresh.jsonl", "make_corpus.py"]}
 
 
 def _requirements():

@@ -132,8 +132,10 @@ def seed_overrides(pair: int) -> list[str]:
 
 
 def corpus_overrides(protocol: Protocol) -> list[str]:
+    """The search tool's corpus, relative to the project (the tool resolves it there), so that the
+    frozen config's sha256 is the same in every clone."""
     return [] if protocol.corpus is None else [
-        f"++actor_rollout_ref.rollout.tools.tool_instances.search.params.corpus_path={protocol.corpus}"]
+        f"++actor_rollout_ref.rollout.tools.tool_instances.search.params.corpus_path={protocol.corpus.relative_to(ROOT)}"]
 
 
 def file_sha256(path: Path) -> str:
@@ -350,7 +352,7 @@ class Experiment:
             import yaml
 
             tools = yaml.safe_load((ROOT / "configs" / "tools" / "python_search_local.yaml").read_text())
-            tools["tools"]["tool_instances"]["search"]["params"]["corpus_path"] = str(self.protocol.corpus)
+            tools["tools"]["tool_instances"]["search"]["params"]["corpus_path"] = str(self.protocol.corpus.relative_to(ROOT))
             yml = self.out / f"tools_{self.protocol.store}.yaml"
             yml.write_text(yaml.safe_dump(tools))
             args += ["--tools", str(yml)]
