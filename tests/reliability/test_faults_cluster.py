@@ -39,3 +39,40 @@ def test_eight_workers_on_a_two_cpu_cluster_stop_in_seconds_naming_the_keys(tiny
     assert "'CPU': 2.0" in last and "Traceback" not in proc.stderr
     assert took < 100, took          # the reservation's own timeout is 120 s
     assert "Loading weights" not in proc.stdout + proc.stderr   # no model was loaded
+
+
+def test_run_refusals_have_their_own_exit_codes():
+    """[issue 51, item 3] each refusal at run time maps to one exit code; other failures keep their traceback."""
+    from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
+    from verl_arpo.trainer.main_ppo import run_refusal
+    from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
+    from verl_arpo.utils.checkpoint_integrity import RunDirLockedError
+
+    assert run_refusal(RunDirLockedError("x"))[0] == 3
+    assert run_refusal(DifferentRunError("x"))[0] == 4
+    code, advice = run_refusal(WorkerGroupTimeoutError("update_actor did not finish within 5s on rank 1"))
+    assert code == 5 and "trainer.worker_call_timeout" in advice and "resume_mode=auto" in advice
+    assert run_refusal(RuntimeError("a bug")) is None and run_refusal(KeyError("k")) is None
+
+
+def test_a_locked_run_directory_is_one_line_and_exit_3(tiny_model_dir, tmp_path):
+    from test_faults_training import _lock_holder
+
+    (tmp_path / "data").mkdir()
+    data = write_tool_task(tmp_path / "data", rows=4)
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = _lock_holder(out)
+    try:
+        proc = subprocess.run(_cmd(tiny_model_dir, data, out), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=300)
+        full = subprocess.run(_cmd(tiny_model_dir, data, out), cwd=ROOT, env={**_env(), "HYDRA_FULL_ERROR": "1"},
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("[verl_arpo] another run is using trainer.default_local_dir=") and last.endswith("(exit 3)")
+    assert f"pid {holder.pid}" in last and "Traceback" not in proc.stderr
+    assert full.returncode != 0 and "Traceback" in full.stderr and "RunDirLockedError" in full.stderr

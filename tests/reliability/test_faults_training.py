@@ -222,7 +222,9 @@ def test_a_changed_run_refuses_to_resume_unless_forced(finished_run, tool_model_
     changed = _cmd(tool_model_dir, toy_data, run, "trainer.total_training_steps=3",
                    "algorithm.adv_estimator=rloo")
     r = subprocess.run(changed, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode != 0
+    assert r.returncode == 4, r.stderr[-3000:]   # [issue 51] a refusal: one line, its own exit code
+    assert "Traceback" not in r.stderr and "Error executing job" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("[verl_arpo] checkpoint ")
     err = r.stdout + r.stderr
     assert "belongs to a different run" in err and "algorithm.adv_estimator: was 'grpo', now 'rloo'" in err
     assert "trainer.force_resume=true" in err

@@ -194,9 +194,30 @@ def main() -> None:
     hydra_main()
 
 
+def run_refusal(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, advice) for a refusal at run time, or None for a failure that keeps its traceback.
+
+    Exit codes: 2 a config problem (ConfigError, also raised when the cluster cannot hold the
+    workers), 3 the run directory is locked by another run, 4 the checkpoint to resume belongs to a
+    run with other settings, 5 a worker call ran past trainer.worker_call_timeout."""
+    from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
+    from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
+    from verl_arpo.utils.checkpoint_integrity import RunDirLockedError
+
+    if isinstance(exc, RunDirLockedError):
+        return 3, ""
+    if isinstance(exc, DifferentRunError):
+        return 4, ""
+    if isinstance(exc, WorkerGroupTimeoutError):
+        return 5, (" Raise trainer.worker_call_timeout if the call is only slow, or read that worker's log; "
+                   "trainer.resume_mode=auto continues from the last checkpoint in trainer.default_local_dir")
+    return None
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
-    """Hydra entry; a config problem exits with code 2 and one line per problem."""
+    """Hydra entry; a config problem exits with code 2 and one line per problem, a refusal at run time
+    (run_refusal) with its own code and one line; HYDRA_FULL_ERROR=1 shows their tracebacks."""
     from verl_arpo.trainer.ppo.preemption import Preempted
 
     try:
@@ -207,6 +228,14 @@ def hydra_main(cfg: DictConfig) -> None:
     except Preempted as exc:
         print(f"[verl_arpo] {exc}", file=sys.stderr, flush=True)
         raise
+    except Exception as exc:
+        refusal = run_refusal(exc)
+        if refusal is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        code, advice = refusal
+        line = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(f"[verl_arpo] {line}{advice} (exit {code})", file=sys.stderr, flush=True)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

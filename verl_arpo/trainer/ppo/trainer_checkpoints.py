@@ -26,6 +26,11 @@ def _write_fingerprint(step_dir: str, fingerprint: dict) -> None:
         json.dump(fingerprint, f, indent=1)
 
 
+
+class DifferentRunError(ValueError):
+    """The checkpoint to resume was written by a run with other settings (its fingerprint differs)."""
+
+
 class TrainerCheckpoints:
     """Lock, save, resume and fingerprint for `RayPPOTrainer` (see the module docstring)."""
 
@@ -159,6 +164,6 @@ class TrainerCheckpoints:
         if self.config.trainer.force_resume:
             logger.warning("resuming %s although the run changed (trainer.force_resume=true):\n  %s", path, listed)
             return
-        raise ValueError(f"checkpoint {path} belongs to a different run:\n  {listed}\nUse a new "
+        raise DifferentRunError(f"checkpoint {path} belongs to a different run:\n  {listed}\nUse a new "
                          "trainer.default_local_dir for a new run, or set trainer.force_resume=true to continue "
                          "this one with the changed settings")
