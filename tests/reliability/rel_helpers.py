@@ -172,7 +172,7 @@ class FakeSearchAPI:
     `responder(request_number, headers, body) -> (status, body, headers)` decides every answer;
     each request's arrival time and Authorization header are recorded."""
 
-    def __init__(self, responder: Callable | None = None):
+    def __init__(self, responder: Callable | None = None, port: int = 0):
         self.responder = responder or (lambda i, h, b: (200, {"organic": [{"description": "ok"}]}, {}))
         self.requests: list[dict] = []
         self._lock = threading.Lock()
@@ -204,7 +204,8 @@ class FakeSearchAPI:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/request"
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

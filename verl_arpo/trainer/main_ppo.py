@@ -199,18 +199,27 @@ def run_refusal(exc: BaseException) -> tuple[int, str] | None:
 
     Exit codes: 2 a config problem (ConfigError, also raised when the cluster cannot hold the
     workers), 3 the run directory is locked by another run, 4 the checkpoint to resume belongs to a
-    run with other settings, 5 a worker call ran past trainer.worker_call_timeout."""
+    run with other settings, 5 a worker call ran past trainer.worker_call_timeout, 6 a tool outage passed
+    actor_rollout_ref.rollout.tools.infra_failure_stop_rate (after a checkpoint)."""
     from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
+    from verl_arpo.trainer.ppo.tool_outages import ToolOutageError
     from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
     from verl_arpo.utils.checkpoint_integrity import RunDirLockedError
 
-    if isinstance(exc, RunDirLockedError):
-        return 3, ""
-    if isinstance(exc, DifferentRunError):
-        return 4, ""
-    if isinstance(exc, WorkerGroupTimeoutError):
-        return 5, (" Raise trainer.worker_call_timeout if the call is only slow, or read that worker's log; "
-                   "trainer.resume_mode=auto continues from the last checkpoint in trainer.default_local_dir")
+    chain = []
+    while exc is not None and len(chain) < 8:   # the trainer's guard wraps a worker error in its own
+        chain.append(exc)
+        exc = exc.__cause__
+    for e in chain:
+        if isinstance(e, RunDirLockedError):
+            return 3, ""
+        if isinstance(e, DifferentRunError):
+            return 4, ""
+        if isinstance(e, WorkerGroupTimeoutError):
+            return 5, (" Raise trainer.worker_call_timeout if the call is only slow, or read that worker's log; "
+                       "trainer.resume_mode=auto continues from the last checkpoint in trainer.default_local_dir")
+        if isinstance(e, ToolOutageError):
+            return 6, ""
     return None
 
 

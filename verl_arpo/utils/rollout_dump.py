@@ -7,7 +7,8 @@ line masked (`mask_text`: a tool result that echoes a credential loses it):
      "response_mask": [[value, run_length], ...],      # run-length encoded loss mask
      "tool_calls": [{"tag", "content", "result", "seconds", "ok"}, ...],
      "round_entropies": [...], "num_tool_calls", "finish_reason", "reward", "advantage",
-     "branch_decisions": [{"step", "round", "h", "h_initial", "delta_h", "p", "u", "branched", "child"}, ...]}
+     "branch_decisions": [{"step", "round", "h", "h_initial", "delta_h", "p", "u", "branched", "child"}, ...],
+     "excluded_reason": "" | "tool_outage_masked" | "tool_outage_group_dropped"}   (tool_calls[*].infra: an outage)
 
 `branch_decisions` holds the branch draws made on this trajectory's own rounds (none are inherited),
 so a rule's fire rate over a dump is Σ branched / Σ draws.
@@ -70,7 +71,8 @@ def rollout_records(batch, tokenizer, step: int) -> list[dict]:
             "response_mask": run_length_encode(mask),
         }
         for key in ("uid", "traj_id", "parent_id", "branch_round", "branch_pos", "num_tool_calls",
-                    "round_entropies", "tool_calls", "finish_reason", "data_source", "branch_decisions"):
+                    "round_entropies", "tool_calls", "finish_reason", "data_source", "branch_decisions",
+                    "excluded_reason"):
             if key in nt:
                 rec[key] = _plain(nt[key][i])
         if "token_level_scores" in b.keys():

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # rollout metrics that add up over data-parallel ranks; every other one is averaged
 _SUMMED = ("branches", "branch_draws", "fresh_refills", "duplicates", "tokens_generated", "tokens_in_trajectories",
-           "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "/timeouts", "/retries", "hits", "misses",
+           "pre_monitor_tool_calls", "/calls", "/successes", "/failures", "infra_failures", "/timeouts", "/retries", "hits", "misses",
            "cache_write_errors", "cache_writes")
 
 
@@ -247,6 +247,20 @@ class RayPPOTrainer(TrainerCheckpoints):
             metrics.update(result.get("reward_metrics", {}))
         return result.get("reward_extra_info", {})
 
+    def _tool_outages(self, batch: DataProto, step: int, metrics: dict) -> None:
+        """The outage policy (tool_outages.py) on this step's batch; past the stop rate, save what
+        the previous steps trained and stop with one line naming the tools."""
+        from verl_arpo.trainer.ppo import tool_outages
+
+        tools = self.config.actor_rollout_ref.rollout.tools
+        rate, stop_rate = tool_outages.share_failed(batch), tools.infra_failure_stop_rate
+        if stop_rate is not None and rate > stop_rate:
+            if step > 1 and (self.last_checkpoint is None or not self.last_checkpoint.endswith(f"global_step_{step - 1}")):
+                self.save_checkpoint(step - 1)   # the model as the last trained step left it
+            raise tool_outages.ToolOutageError(
+                tool_outages.outage_stop_message(batch, rate, stop_rate, step, self.last_checkpoint))
+        metrics.update(tool_outages.apply_outage_policy(batch, tools.infra_failure_policy))
+
     def train_step(self, step: int) -> dict[str, float]:
         cfg, timing, metrics = self.config, {}, {}
         with timed("step", timing):
@@ -259,6 +273,7 @@ class RayPPOTrainer(TrainerCheckpoints):
                 self._balance_batch(batch)
             with timed("reward", timing):
                 extra = self._score(batch, self.reward_fn, metrics)
+            self._tool_outages(batch, step, metrics)
             # Two entropies: actor/entropy is H of the policy that generated the batch (π_old, as in
             # verl), actor/update_entropy the mean H over the update's forwards (after earlier steps).
             # one epoch, one mini-batch, nothing else reading π_old (JobConfig.derived.on_policy): the
@@ -428,8 +443,12 @@ class RayPPOTrainer(TrainerCheckpoints):
 
     def _guard(self, fn, *args):
         """Run a step; a dead worker becomes an error naming it and the checkpoint to resume from."""
+        from verl_arpo.trainer.ppo.tool_outages import ToolOutageError
+
         try:
             return fn(*args)
+        except ToolOutageError:
+            raise   # its line already names the checkpoint and how to resume
         except (RuntimeError, OSError) as e:  # a dead worker, or a full disk under a dump/checkpoint
             where = self.last_checkpoint or "none yet (restart from scratch)"
             raise RuntimeError(f"{e}\n[verl_arpo] training stopped at step {self.global_steps}; last complete "

@@ -62,6 +62,13 @@ class ToolsConfig:
     """log every call (tag, seconds, ok)"""
     fail_on_error: bool = True
     """raise when a tool fails to load instead of skipping it with a warning"""
+    infra_failure_policy: Literal["mask", "drop_group", "keep"] = "mask"
+    """a trajectory that ends with a tool *infrastructure* failure (service down, 429 after retries, a
+    call past its timeout): mask (it trains nothing and leaves its group's baseline), drop_group (its
+    whole group trains nothing) or keep (trained as is; the model's own errors are always kept)"""
+    infra_failure_stop_rate: float | None = 0.5
+    """stop the run (after saving a checkpoint) when more than this share of a step's trajectories hit
+    an infrastructure failure; null never stops"""
     tool_instances: dict = field(default_factory=lambda: {
         "python": {"class_path": "verl_arpo.workers.rollout.tools.python_tool.PythonTool",
                    "params": {"timeout": 20, "sandbox": "auto", "conda_path": None, "conda_env": None}},
@@ -141,6 +148,10 @@ class RolloutSection:
         elif m0 is not None and self.n >= 1 and self.n < m0:
             out.append((f"{where}.initial_rollouts", f"{m0} is larger than rollout.n={self.n}: set initial_rollouts "
                         "<= n (ARPO starts initial_rollouts trajectories and branches up to n)"))
+        rate = self.tools.infra_failure_stop_rate
+        if rate is not None and not 0.0 < rate <= 1.0:
+            out.append((f"{where}.tools.infra_failure_stop_rate", f"{rate} must be in (0, 1] (a share of a step's "
+                        "trajectories), or null to never stop"))
         if not 0.0 <= self.branch_probability <= 1.0:
             out.append((f"{where}.branch_probability", "must be a number in [0, 1]"))
         if self.branch_rule not in BRANCH_RULES:

@@ -285,7 +285,8 @@ class AgentLoop:
         # tens of seconds to tokenise); `text` becomes the (sanitised) part the trajectory holds
         ids, text = fit_tool_result(self.tokenizer, text, room)
         t.tool_calls.append({"tag": tag, "content": content, "result": text,
-                             "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok)})
+                             "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok),
+                             "infra": bool(r is not None and r.infra)})   # the service failed, not the model
         t.append(ids[:room], 0)
         if len(ids) >= room:
             t.done, t.finish_reason = True, "length"

@@ -26,6 +26,21 @@ class ToolError(Exception):
         self.retryable = retryable
 
 
+class ToolInfraError(ToolError):
+    """The tool's *service* failed (connection refused, rate limit, 5xx, a server gone), not the
+    model's input: the trajectory's result says so, and the trainer's outage policy decides whether
+    it trains (actor_rollout_ref.rollout.tools.infra_failure_policy; docs/tools.md, "Tool outages")."""
+
+
+INFRA_EXCEPTIONS: tuple[type[BaseException], ...] = (ToolInfraError, ConnectionError, TimeoutError)
+"""What counts as an infrastructure failure when a tool raises it (ConnectionError covers refused
+and reset connections; TimeoutError a socket timeout). A model's bad code or empty query is not one."""
+
+
+def is_infra_failure(exc: BaseException) -> bool:
+    return isinstance(exc, INFRA_EXCEPTIONS)
+
+
 def error_text(tool_name: str, exc: BaseException) -> str:
     """Readable one-line error for the model; ToolError messages are shown verbatim."""
     if isinstance(exc, ToolError):

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from verl_arpo.utils.job_config import ToolsConfig, from_mapping
-from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, uses_run
+from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, is_infra_failure, uses_run
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +137,13 @@ class ToolResult:
     tag: str = ""
     attempts: int = 0
     timed_out: bool = False
+    infra: bool = False   # the failure was the tool's service, not the model's input (base_tool.ToolInfraError)
 
     def __iter__(self):  # `text, ok, seconds = result`
         return iter((self.text, self.ok, self.seconds))
 
 
-_STATS = ("calls", "successes", "failures", "timeouts", "retries", "time_total", "time_max")
+_STATS = ("calls", "successes", "failures", "infra_failures", "timeouts", "retries", "time_total", "time_max")
 
 
 class ToolExecutor:
@@ -230,7 +231,7 @@ class ToolExecutor:
                         tag = calls[i][0]
                         results[i] = ToolResult(
                             f"Error: {tag} tool timed out after {self._timeout_of(tag):g} seconds.", False,
-                            now - t0, tag, timed_out=True)
+                            now - t0, tag, timed_out=True, infra=True)
                         self._abandon(th)
                     else:
                         continue
@@ -272,7 +273,7 @@ class ToolExecutor:
         try:
             result = self._call_with_retries(tag, content, t0 + self._timeout_of(tag))
         except BaseException as exc:  # noqa: BLE001 - a worker must always report back
-            result = ToolResult(error_text(tag, exc), False, 0.0, tag)
+            result = ToolResult(error_text(tag, exc), False, 0.0, tag, infra=is_infra_failure(exc))
         result.seconds = time.monotonic() - t0
         with wake:
             finished[i] = result
@@ -288,7 +289,7 @@ class ToolExecutor:
         # the tool's own concurrency limit: waiting for a slot counts against its deadline
         if not slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return ToolResult(f"Error: {tag} tool timed out after {self._timeout_of(tag):g} seconds (all its "
-                              "concurrent slots were busy).", False, 0.0, tag, timed_out=True)
+                              "concurrent slots were busy).", False, 0.0, tag, timed_out=True, infra=True)
         try:
             return self._attempts(tag, content, deadline)
         finally:
@@ -297,7 +298,7 @@ class ToolExecutor:
     def _attempts(self, tag: str, content: str, deadline: float) -> ToolResult:
         tool = self.tools[tag]
         call = tool.run if uses_run(tool) else tool.execute
-        problem, attempts = "", 0
+        problem, attempts, infra = "", 0, False
         for attempt in range(self.retry_count + 1):
             if attempt:
                 delay = self.retry_backoff * 2 ** (attempt - 1)
@@ -308,20 +309,20 @@ class ToolExecutor:
             try:
                 text = call(content)
             except ToolError as exc:
-                problem = error_text(tag, exc)
+                problem, infra = error_text(tag, exc), is_infra_failure(exc)
                 if not exc.retryable:
                     break
                 continue
             except Exception as exc:  # noqa: BLE001 - turned into text for the model
-                problem = error_text(tag, exc)
+                problem, infra = error_text(tag, exc), is_infra_failure(exc)
                 logger.debug("tool %s raised", tag, exc_info=True)
                 continue
             if text is not None and str(text).strip():
                 return ToolResult(str(text), True, 0.0, tag, attempts)
-            problem = f"Error: {tag} tool returned no output."
+            problem, infra = f"Error: {tag} tool returned no output.", False
         if attempts > 1:
             problem += f" (after {attempts} attempts)"
-        return ToolResult(problem, False, 0.0, tag, attempts)
+        return ToolResult(problem, False, 0.0, tag, attempts, infra=infra)
 
     def _abandon(self, th: threading.Thread) -> None:
         with self._lock:
@@ -337,6 +338,7 @@ class ToolExecutor:
             s["calls"] += 1
             s["successes" if r.ok else "failures"] += 1
             s["timeouts"] += int(r.timed_out)
+            s["infra_failures"] += int(r.infra)
             s["retries"] += max(0, r.attempts - 1)
             s["time_total"] += r.seconds
             s["time_max"] = max(s["time_max"], r.seconds)
@@ -344,7 +346,7 @@ class ToolExecutor:
             logger.info("tool %s: ok=%s %.3fs attempts=%d", r.tag, r.ok, r.seconds, r.attempts)
 
     def metrics(self, reset: bool = False) -> dict[str, float]:
-        """``tools/<tag>/{calls,successes,failures,timeouts,retries,time_avg,time_max}``, totals
+        """``tools/<tag>/{calls,successes,failures,infra_failures,timeouts,retries,time_avg,time_max}``, totals
         as ``tools/<name>``, and each tool's own counters. ``reset`` starts a new window."""
         out: dict[str, float] = {}
         with self._lock:
@@ -354,14 +356,14 @@ class ToolExecutor:
             alive = sum(t.is_alive() for t in self._abandoned)
         total = dict.fromkeys(_STATS, 0.0)
         for tag, s in stats.items():
-            for k in ("calls", "successes", "failures", "timeouts", "retries"):
+            for k in ("calls", "successes", "failures", "infra_failures", "timeouts", "retries"):
                 out[f"tools/{tag}/{k}"] = s[k]
                 total[k] += s[k]
             out[f"tools/{tag}/time_avg"] = s["time_total"] / s["calls"] if s["calls"] else 0.0
             out[f"tools/{tag}/time_max"] = s["time_max"]
             total["time_total"] += s["time_total"]
             total["time_max"] = max(total["time_max"], s["time_max"])
-        for k in ("calls", "successes", "failures", "timeouts", "retries"):
+        for k in ("calls", "successes", "failures", "infra_failures", "timeouts", "retries"):
             out[f"tools/{k}"] = total[k]
         out["tools/time_avg"] = total["time_total"] / total["calls"] if total["calls"] else 0.0
         out["tools/time_max"] = total["time_max"]

@@ -30,7 +30,7 @@ from urllib.parse import urlencode
 import requests
 
 from verl_arpo.utils.secrets import MASK, mask_text
-from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError
+from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, ToolInfraError
 from verl_arpo.workers.rollout.tools.cache import SearchCache
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class BingSearchTool(BaseTool):
             if resp.status_code in _RETRY_STATUS:
                 last, last_response = f"HTTP {resp.status_code}", resp
                 continue
-            if resp.status_code >= 400:
+            if resp.status_code >= 400:   # 4xx but 429: the request itself (a bad key or zone), the service is up
                 raise ToolError(self._redact(f"search failed: HTTP {resp.status_code}: {resp.text[:200]}"),
                                 retryable=False)
             try:
@@ -180,8 +180,8 @@ class BingSearchTool(BaseTool):
             except ValueError:
                 raise ToolError("search failed: malformed JSON in the search response", retryable=False) from None
         # the executor must not multiply our own bounded retries
-        raise ToolError(self._redact(f"search failed after {self.http_retries + 1} attempts: {last}"),
-                        retryable=False)
+        raise ToolInfraError(self._redact(f"search failed after {self.http_retries + 1} attempts: {last}"),
+                             retryable=False)
 
     def _session(self) -> requests.Session:
         s = getattr(self._sessions, "s", None)
