@@ -250,3 +250,72 @@ def test_sequence_parallelism_refuses_padded_batches(model_dirs):
     with pytest.raises(ValueError, match=r"critic\.model\.use_remove_padding=true"):
         DataParallelPPOCritic(critic_module=load_critic(model_dirs["kv1"]), sp=sp,
                               **critic_kwargs(model={"use_remove_padding": False}))
+
+
+# --------------------------------------------------------------------------------------------
+# [issue 48] the flash branch: transformers' flash path loads the kernel its module's config names
+# --------------------------------------------------------------------------------------------
+def _stand_in_flash(query, key, value, attention_mask, query_length=None, is_causal=True, dropout=0.0,
+                    softmax_scale=None, attn_implementation=None, position_ids=None, **kwargs):
+    """Stands in for flash-attn's varlen kernel (q, k, v [B, N, H, D]): causal attention within each
+    packed sequence, whose starts are where position_ids is 0. Like the real loader, it refuses an
+    implementation name that is no flash kernel."""
+    if attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+        raise ValueError("Could not find the currently requested flash attention implementation at "
+                         f"`{attn_implementation}`")
+    import torch.nn.functional as F
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))     # [B, H, N, D]
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [q.shape[2]]
+    out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=softmax_scale,
+                                                    is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+                     for a, b in zip(starts[:-1], starts[1:]) if b > a], dim=2)
+    return out.transpose(1, 2)
+
+
+def _sp2_flash_rank(rank, world, port, model_dir, out_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.integrations import flash_attention
+
+    from verl_arpo.utils.ulysses import build_sequence_parallel
+
+    _init(rank, world, port)
+    try:
+        flash_attention._flash_attention_forward = _stand_in_flash
+        sp = build_sequence_parallel(2)
+        model = load(model_dir, False)
+        model.config._attn_implementation = "flash_attention_2"   # as loading with attn_implementation= would set
+        model = _shard(model, init_device_mesh("cpu", (world,)))
+        data = shared_prompt_batch(model.config.vocab_size, seed=11)
+        actor = DataParallelPPOActor(actor_module=model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                     use_remove_padding=True, sp=sp,
+                                     **actor_kwargs(loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=3,
+                                                    ppo_mini_batch_size=6))
+        lp, ent = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 0.7}), log_probs(4),
+                                         calculate_entropy=True)
+        torch.save(dict(lp=lp, ent=ent), f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sp2_with_a_flash_kernel_finds_it_and_equals_one_process(model_dirs, tmp_path):
+    """Before the fix the wrapper's registered name reached the flash loader: "Could not find the
+    currently requested flash attention implementation" at the first compute_log_prob."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "flash"
+    mp.start_processes(_sp2_flash_rank, args=(2, _free_port(), model_dirs["kv1"], str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    model = load(model_dirs["kv1"], False)
+    data = shared_prompt_batch(model.config.vocab_size, seed=11)
+    actor = DataParallelPPOActor(actor_module=model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                 use_remove_padding=True, **actor_kwargs(loss_agg_mode="token-mean",
+                                                                         ppo_micro_batch_size_per_gpu=3,
+                                                                         ppo_mini_batch_size=6))
+    lp, ent = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 0.7}), log_probs(4),
+                                     calculate_entropy=True)
+    for r in range(2):
+        got = torch.load(f"{out}.{r}", weights_only=False)
+        torch.testing.assert_close(got["lp"], lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["ent"], ent, atol=1e-5, rtol=1e-5)

@@ -32,6 +32,8 @@ checkpoint recomputes attention during the backward, after the forward has retur
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +103,8 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         from transformers.integrations.flash_attention import flash_attention_forward
 
         kwargs["position_ids"] = cur.position_ids  # varlen boundaries of the whole packed row
-        out, _ = flash_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout, **kwargs)
+        out, _ = flash_attention_forward(_kernel_view(module, cur.inner), q, k, v, None, scaling=scaling,
+                                         dropout=dropout, **kwargs)
         out = out.transpose(1, 2)  # [B, N, H/S, D] → [B, H/S, N, D]
     elif cur.mask is not None:  # the prefix tree: its own N x N mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=cur.mask, dropout_p=dropout, scale=scaling,
@@ -113,6 +116,35 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
                          for a, b in cur.rows], dim=2)
     out = seq_all_to_all(out, sp, scatter_dim=2, gather_dim=1)  # [B, H', n, D]
     return out[:, :hq].transpose(1, 2).contiguous(), None
+
+
+class _KernelView:
+    """An attention module as transformers' flash path sees it: the module itself, but its config names
+    the inner kernel. transformers' `flash_attention_forward` loads the kernel named by
+    `module.config._attn_implementation`, which under the wrapper is ATTENTION_NAME, no flash kernel:
+    "Could not find the currently requested flash attention implementation" at the first forward
+    (issue 48; verl patches the flash function instead of renaming the implementation)."""
+
+    __slots__ = ("_module", "config")
+
+    def __init__(self, module: torch.nn.Module, inner: str):
+        config = copy.copy(module.config)
+        config._attn_implementation = inner
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "config", config)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, _KernelView]" = weakref.WeakKeyDictionary()
+
+
+def _kernel_view(module: torch.nn.Module, inner: str) -> _KernelView:
+    view = _VIEWS.get(module)
+    if view is None or view.config._attn_implementation != inner:
+        view = _VIEWS[module] = _KernelView(module, inner)
+    return view
 
 
 def attention_kernel(module: torch.nn.Module) -> str | None:
