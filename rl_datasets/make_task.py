@@ -245,32 +245,38 @@ def make_questions(seed: int, executor) -> tuple[dict[str, list[dict]], Counter]
     solver = Solver(executor, random.Random(seed + 1))
     seen: set[str] = set()
     dropped: Counter = Counter()
-    out: dict[str, list[dict]] = {}
-    for split, per_kind in SPLITS.items():
-        rows: list[dict] = []
-        for kind in ("math", "search", "multi"):
-            made = 0
-            while made < per_kind:
-                if kind == "math":
-                    q = _math_question(rng)
-                else:
-                    name = rng.choice(pools[split])
-                    maker: Callable = _search_question if kind == "search" else _multi_question
-                    q = maker(rng, name, ents[name])
-                if q["question"] in seen:
-                    dropped["duplicate"] += 1
-                    continue
-                traj = solver.solve(q)
-                if traj is None:
-                    dropped[f"unsolvable:{q['template']}"] += 1
-                    continue
-                seen.add(q["question"])
-                q["trajectory"] = traj
-                rows.append(q)
-                made += 1
-        rng.shuffle(rows)
-        out[split] = rows
+    out = {split: solved_questions(rng, solver, pools[split], ents, per_kind, seen, dropped)
+           for split, per_kind in SPLITS.items()}
     return out, dropped
+
+
+def solved_questions(rng: random.Random, solver: "Solver", pool: list[str], ents: dict[str, dict], per_kind: int,
+                     seen: set[str], dropped: Counter) -> list[dict]:
+    """`per_kind` questions of each kind (lookups and two-step ones about the entities of `pool`),
+    each with the solver's trajectory, none in `seen` (which they join), shuffled."""
+    rows: list[dict] = []
+    for kind in ("math", "search", "multi"):
+        made = 0
+        while made < per_kind:
+            if kind == "math":
+                q = _math_question(rng)
+            else:
+                name = rng.choice(pool)
+                maker: Callable = _search_question if kind == "search" else _multi_question
+                q = maker(rng, name, ents[name])
+            if q["question"] in seen:
+                dropped["duplicate"] += 1
+                continue
+            traj = solver.solve(q)
+            if traj is None:
+                dropped[f"unsolvable:{q['template']}"] += 1
+                continue
+            seen.add(q["question"])
+            q["trajectory"] = traj
+            rows.append(q)
+            made += 1
+    rng.shuffle(rows)
+    return rows
 
 
 def to_parquet_row(q: dict, split: str, index: int, system_prompt: str) -> dict:
@@ -356,29 +362,9 @@ def extend_corpus(corpus: Path, docs: list[dict], name: str) -> list[dict]:
 def make_fresh_questions(seed: int, ents: dict[str, dict], per_kind: int, executor) -> tuple[list[dict], Counter]:
     """`per_kind` questions of each kind, the lookups and two-step ones about `ents` only, each one
     solved with the tools (as make_questions does for the bundled splits)."""
-    rng, solver = random.Random(seed), Solver(executor, random.Random(seed + 1))
-    pool = sorted(ents)
-    rows, seen, dropped = [], set(), Counter()
-    for kind in ("math", "search", "multi"):
-        made = 0
-        while made < per_kind:
-            if kind == "math":
-                q = _math_question(rng)
-            else:
-                name = rng.choice(pool)
-                q = (_search_question if kind == "search" else _multi_question)(rng, name, ents[name])
-            if q["question"] in seen:
-                dropped["duplicate"] += 1
-                continue
-            traj = solver.solve(q)
-            if traj is None:
-                dropped[f"unsolvable:{q['template']}"] += 1
-                continue
-            seen.add(q["question"])
-            q["trajectory"] = traj
-            rows.append(q)
-            made += 1
-    rng.shuffle(rows)
+    dropped: Counter = Counter()
+    rows = solved_questions(random.Random(seed), Solver(executor, random.Random(seed + 1)), sorted(ents), ents,
+                            per_kind, set(), dropped)
     return rows, dropped
 
 

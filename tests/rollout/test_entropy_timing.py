@@ -27,21 +27,7 @@ from verl_arpo.workers.rollout.tools.local_search_tool import LocalSearchTool
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 from worker_configs import rollout
 
-CALL = "<think>t</think> <python>x=1</python>"
-ANSWER = "<answer>\\boxed{1}</answer>"
-
-
-def _prompts(tok, texts, step=0):
-    enc = [tok.encode(t, add_special_tokens=False) for t in texts]
-    width = max(len(e) for e in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id)
-    mask = torch.zeros((len(enc), width), dtype=torch.long)
-    for i, e in enumerate(enc):
-        ids[i, width - len(e):] = torch.tensor(e)
-        mask[i, width - len(e):] = 1
-    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask},
-                               non_tensors={"uid": as_object_array([f"u{i}" for i in range(len(texts))])},
-                               meta_info={"global_steps": step})
+from test_agent_loop import ANSWER, CALL, _prompts  # noqa: E402  (the same scripted turns and prompt batches)
 
 
 def _loop(tok, script, mode, **cfg):
