@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from verl_arpo.trainer.ppo.metrics import pass_at_k  # noqa: F401  (one pass@k: validation's, re-exported)
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
 from verl_arpo.utils.job_config import ROLLOUT_MODES
 
@@ -64,15 +65,6 @@ ANSWER_KEYS = ("answer", "Final answer", "final_answer", "answers", "golden_answ
 
 
 # --------------------------------------------------------------------------- statistics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 − C(n−c, k) / C(n, k)."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
 def wilson_interval(p_hat: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval for a proportion p_hat observed over n trials."""
     if n == 0:

@@ -69,7 +69,10 @@ def timed(name: str, timing: dict[str, float]):
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 − C(n−c, k)/C(n, k) for n samples with c correct."""
+    """Unbiased pass@k (Chen et al. 2021): 1 − C(n−c, k)/C(n, k) for n samples with c correct (the one
+    pass@k: validation here, main_eval's reports)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
