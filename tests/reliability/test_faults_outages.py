@@ -12,7 +12,7 @@ from test_faults_tools import _loop, _search_tool, _storm
 
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl_arpo.trainer.ppo.tool_outages import apply_outage_policy, outage_stop_message, share_failed
+from verl_arpo.trainer.ppo.tool_outages import apply_outage_policy, infra_failures, outage_stop_message, share_failed
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor
 
@@ -111,8 +111,8 @@ def test_drop_group_keep_and_the_stop_line():
     kept = _batch([1.0, 0.0], ["a", "a"], infra_rows={0})
     assert apply_outage_policy(kept, "keep")["tools/infra_failed_trajectories"] == 1
     assert kept.batch["response_mask"].sum() == 12 and list(kept.non_tensor_batch["uid"]) == ["a", "a"]
-    assert share_failed(kept) == 0.5
-    line = outage_stop_message(kept, 0.5, 0.25, 7, "/ckpt/global_step_6")
+    assert share_failed(infra_failures(kept)) == 0.5
+    line = outage_stop_message(infra_failures(kept), 0.5, 0.25, 7, "/ckpt/global_step_6")
     assert "step 7: 50%" in line and "search (1 trajectories)" in line and "infra_failure_stop_rate=0.25" in line
     assert "/ckpt/global_step_6" in line and "trainer.resume_mode=auto" in line
     with pytest.raises(ValueError, match="infra_failure_policy"):

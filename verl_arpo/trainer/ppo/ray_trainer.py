@@ -252,14 +252,14 @@ class RayPPOTrainer(TrainerCheckpoints):
         the previous steps trained and stop with one line naming the tools."""
         from verl_arpo.trainer.ppo import tool_outages
 
-        tools = self.config.actor_rollout_ref.rollout.tools
-        rate, stop_rate = tool_outages.share_failed(batch), tools.infra_failure_stop_rate
+        tools, failed = self.config.actor_rollout_ref.rollout.tools, tool_outages.infra_failures(batch)
+        rate, stop_rate = tool_outages.share_failed(failed), tools.infra_failure_stop_rate
         if stop_rate is not None and rate > stop_rate:
             if step > 1 and (self.last_checkpoint is None or not self.last_checkpoint.endswith(f"global_step_{step - 1}")):
                 self.save_checkpoint(step - 1)   # the model as the last trained step left it
             raise tool_outages.ToolOutageError(
-                tool_outages.outage_stop_message(batch, rate, stop_rate, step, self.last_checkpoint))
-        metrics.update(tool_outages.apply_outage_policy(batch, tools.infra_failure_policy))
+                tool_outages.outage_stop_message(failed, rate, stop_rate, step, self.last_checkpoint))
+        metrics.update(tool_outages.apply_outage_policy(batch, tools.infra_failure_policy, failed))
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, timing, metrics = self.config, {}, {}

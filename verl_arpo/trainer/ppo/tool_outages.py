@@ -38,11 +38,12 @@ def infra_failures(batch: DataProto) -> list[list[str]]:
     return [[c.get("tag", "?") for c in (row or []) if c.get("infra")] for row in calls]
 
 
-def apply_outage_policy(batch: DataProto, policy: str) -> dict[str, float]:
-    """Apply `policy` in place (see the module docstring); returns the step's outage metrics."""
+def apply_outage_policy(batch: DataProto, policy: str, failed: list[list[str]] | None = None) -> dict[str, float]:
+    """Apply `policy` in place (see the module docstring); returns the step's outage metrics.
+    `failed`: infra_failures(batch), when the caller has it already."""
     if policy not in POLICIES:
         raise ValueError(f"unknown infra_failure_policy {policy!r}; accepted: {list(POLICIES)}")
-    failed = infra_failures(batch)
+    failed = infra_failures(batch) if failed is None else failed
     hit = [i for i, tags in enumerate(failed) if tags]
     n = len(batch)
     metrics = {"tools/infra_failed_trajectories": float(len(hit)),
@@ -71,9 +72,11 @@ def apply_outage_policy(batch: DataProto, policy: str) -> dict[str, float]:
     return metrics
 
 
-def outage_stop_message(batch: DataProto, rate: float, stop_rate: float, step: int, checkpoint: str | None) -> str:
-    """The one line a run stops with: the tools, the share, the checkpoint and how to resume."""
-    tools = Counter(t for tags in infra_failures(batch) for t in set(tags))
+def outage_stop_message(failed: list[list[str]], rate: float, stop_rate: float, step: int,
+                        checkpoint: str | None) -> str:
+    """The one line a run stops with (`failed`: infra_failures of the step's batch): the tools, the
+    share, the checkpoint and how to resume."""
+    tools = Counter(t for tags in failed for t in set(tags))
     named = ", ".join(f"{tag} ({count} trajectories)" for tag, count in tools.most_common())
     where = checkpoint or "none (nothing trained yet)"
     return (f"tool outage at step {step}: {rate:.0%} of the step's trajectories hit infrastructure failures of "
@@ -82,6 +85,6 @@ def outage_stop_message(batch: DataProto, rate: float, stop_rate: float, step: i
             "trainer.resume_mode=auto")
 
 
-def share_failed(batch: DataProto) -> float:
-    failed = infra_failures(batch)
+def share_failed(failed: list[list[str]]) -> float:
+    """The share of trajectories with an infrastructure failure (`failed`: infra_failures(batch))."""
     return float(np.mean([bool(tags) for tags in failed])) if failed else 0.0
