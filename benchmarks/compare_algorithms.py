@@ -195,7 +195,8 @@ def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
         "reward", "executed_tool_calls_per_traj", "tool_calls_in_traj_per_traj", "branches", "branch_draws",
         "tokens_generated",
         "tokens_trained", "step_s", "rollout_s", "update_s", "entropy_before_tools", "entropy_after_tools",
-        "prompts", "pg_clipfrac", "pg_clipfrac_lower", "branch_p_mean", "branch_draws_zero_dh")}
+        "prompts", "pg_clipfrac", "pg_clipfrac_lower", "branch_p_mean", "branch_draws_zero_dh",
+        "tool_infra_failures")}
     for m in steps:
         with open(rollout_dir / f"rollout_{m['step']}.jsonl") as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -220,6 +221,8 @@ def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
             out[k].append(m.get(f"actor/{k}", float("nan")))
         out["branch_p_mean"].append(m.get("rollout/branch_p_mean", float("nan")))
         out["branch_draws_zero_dh"].append(m.get("rollout/branch_draws_zero_dh", float("nan")))
+        # tool outages (service down, executor timeout): the outage policy acts only on these
+        out["tool_infra_failures"].append(m.get("tools/infra_failures", float("nan")))
     return {"steps": len(steps), "per_step": out, "trajectories_per_step": trajectories,
             "mean": {k: float(np.nanmean(v)) if not np.all(np.isnan(v)) else None for k, v in out.items()}}
 
@@ -279,20 +282,39 @@ class Store:
         self.root.mkdir(parents=True, exist_ok=True)
         write_atomic(f, {"sft_sha256": sft_sha, "precision": precision, "eval": sft_eval})
 
-    def freeze(self, record: dict) -> None:
+    def freeze(self, record: dict, amend: str | None = None) -> None:
         """A frozen protocol: the first call writes protocol.json (the config, its sha256); a later
-        one with another config is refused, so every stored run ran the same config."""
+        one with another config is refused, so every stored run ran the same config.
+
+        The one exception is an amendment (`--amend WHY`): a file that the freeze hashes changed in a
+        way that cannot move a run (the arms, the eval split, the steps and the precision unchanged).
+        It is recorded in protocol.json (the new hashes, why, when, the commit) and named in the report;
+        each run keeps the config_sha256 it ran under, so a reader sees which runs came after it."""
         f = self.root / "protocol.json"
-        if f.exists():
-            held = json.loads(f.read_text())
-            if held["config_sha256"] != record["config_sha256"]:
-                changed = sorted(k for k in set(held) | set(record) if held.get(k) != record.get(k))
-                raise SystemExit(f"{self.root} is frozen at config {held['config_sha256'][:12]}; this call's is "
-                                 f"{record['config_sha256'][:12]} (differs in {changed}). A confirmatory run cannot "
-                                 "change its config: restore it, or start a new experiment (another --results)")
+        if not f.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_atomic(f, record)
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_atomic(f, record)
+        held = json.loads(f.read_text())
+        accepted = [held["config_sha256"], *(a["config_sha256"] for a in held.get("amendments", []))]
+        if record["config_sha256"] in accepted:
+            return
+        changed = sorted(k for k in (set(held) | set(record)) - {"amendments", "config_sha256"}
+                         if held.get(k) != record.get(k))
+        files = sorted(k for k in set(held["files_sha256"]) | set(record["files_sha256"])
+                       if held["files_sha256"].get(k) != record["files_sha256"].get(k))
+        if amend is None or changed != ["files_sha256"]:
+            why = ("" if amend is None else " An amendment may change only the hashed files (here also "
+                   f"{[k for k in changed if k != 'files_sha256']}).")
+            raise SystemExit(f"{self.root} is frozen at config {held['config_sha256'][:12]}; this call's is "
+                             f"{record['config_sha256'][:12]} (differs in {changed}: files {files}). A confirmatory "
+                             "run cannot change its config: restore it, start a new experiment (another --results), "
+                             "or, for a change that cannot move a run, record it with --amend WHY." + why)
+        held.setdefault("amendments", []).append(
+            {"config_sha256": record["config_sha256"], "files_sha256": record["files_sha256"], "files_changed": files,
+             "why": amend, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": git_commit()})
+        write_atomic(f, held)
+        say(f"{f}: amendment recorded ({files}): {amend}")
 
     def sft(self) -> dict:
         return json.loads((self.root / "sft.json").read_text())
@@ -624,6 +646,10 @@ def markdown(report: dict) -> str:
               "actor_rollout_ref.rollout.seed="))) or "none") for a, r in algos.items()]
     if report.get("config_sha256"):
         lines += ["", f"Frozen config sha256: `{report['config_sha256']}`."]
+    for am in report.get("amendments", []):
+        ran = [f"{r['algo']} pair {r['pair']}" for r in report.get("runs_by_config", {}).get(am["config_sha256"], [])]
+        lines += [f"Amended {am['time'][:10]} (commit {am['commit']}, now `{am['config_sha256'][:12]}`; "
+                  f"{', '.join(am['files_changed'])}): {am['why']}" + (f" Runs under it: {', '.join(ran)}." if ran else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -660,6 +686,14 @@ def picture(report: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def runs_by_config(runs: dict[tuple[str, int], dict]) -> dict[str, list[dict]]:
+    """Which runs ran under which config_sha256 (a frozen store's original or an amendment)."""
+    out: dict[str, list[dict]] = {}
+    for (algo, pair), r in sorted(runs.items()):
+        out.setdefault(r.get("config_sha256") or "?", []).append({"algo": algo, "pair": pair})
+    return out
+
+
 def write_report(store: Store, targets: list[Path], algos: tuple[str, ...], meta: dict,
                  protocol: Protocol = PROTOCOLS["legacy"]) -> dict:
     sft = store.sft()
@@ -670,7 +704,9 @@ def write_report(store: Store, targets: list[Path], algos: tuple[str, ...], meta
     frozen = store.root / "protocol.json"
     report = {**build_report(sft_eval, store.runs(), algos), **meta, "precision": sft["precision"],
               "sft_sha256": sft["sft_sha256"], "protocol": protocol.store,
-              "config_sha256": json.loads(frozen.read_text())["config_sha256"] if frozen.exists() else None}
+              "config_sha256": json.loads(frozen.read_text())["config_sha256"] if frozen.exists() else None,
+              "amendments": json.loads(frozen.read_text()).get("amendments", []) if frozen.exists() else [],
+              "runs_by_config": runs_by_config(store.runs())}
     md = markdown(report)
     for d in targets:
         d.mkdir(parents=True, exist_ok=True)
@@ -703,6 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="bf16 where the CPU has native bf16, else fp32 (auto); one per experiment "
                         "(the store refuses a mix)")
+    p.add_argument("--amend", default=None, metavar="WHY",
+                   help="a frozen store: record a change of its hashed files that cannot move a run (say why)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="Hydra overrides for every RL run (refused by the frozen confirm protocol)")
     return p
@@ -739,7 +777,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = protocol_record(protocol, exp.rl_steps, precision, a.overrides)
     exp.config_sha256 = record["config_sha256"]
     if protocol.frozen:
-        store.freeze(record)   # before any run: the config every run of this store uses
+        store.freeze(record, a.amend)   # before any run: the config every run of this store uses
     meta["rl_steps"] = exp.rl_steps
     sft_dir, sft_sha, sft_eval = exp.sft(store)
     store.bind(sft_sha, precision, sft_eval)

@@ -318,6 +318,32 @@ def test_the_arms_are_config_switches_and_the_confirmatory_run_is_frozen(tmp_pat
     assert "runs a frozen config" in capsys.readouterr().err
 
 
+def test_an_amendment_takes_only_a_change_of_the_hashed_files_and_is_recorded(tmp_path):
+    rec = ca.protocol_record(ca.PROTOCOLS["confirm"], 13, "fp32", [])
+    store = ca.Store(tmp_path / "confirm")
+    store.freeze(rec)
+    edited = json.loads(json.dumps(rec))
+    edited["files_sha256"]["configs/ppo_trainer.yaml"] = "0" * 64
+    edited["config_sha256"] = "f" * 64
+    with pytest.raises(SystemExit, match=r"files \['configs/ppo_trainer.yaml'\].*--amend WHY"):
+        store.freeze(edited)                        # no reason given: refused
+    steps = ca.protocol_record(ca.PROTOCOLS["confirm"], 12, "fp32", [])
+    with pytest.raises(SystemExit, match="only the hashed files"):
+        store.freeze(steps, amend="fewer steps")    # the steps are not a file: never amendable
+    store.freeze(edited, amend="keys added that act only on tool outages")
+    held = json.loads((tmp_path / "confirm" / "protocol.json").read_text())
+    assert held["config_sha256"] == rec["config_sha256"]          # the original stays the frozen one
+    (am,) = held["amendments"]
+    assert am["config_sha256"] == "f" * 64 and am["files_changed"] == ["configs/ppo_trainer.yaml"]
+    assert am["why"].startswith("keys added")
+    store.freeze(edited)      # accepted from now on, without --amend
+    store.freeze(rec)         # and the original too
+    assert len(json.loads((tmp_path / "confirm" / "protocol.json").read_text())["amendments"]) == 1
+    report = {"amendments": held["amendments"], "runs_by_config": ca.runs_by_config(
+        {("grpo", 100): {"config_sha256": rec["config_sha256"]}, ("arpo", 100): {"config_sha256": "f" * 64}})}
+    assert report["runs_by_config"]["f" * 64] == [{"algo": "arpo", "pair": 100}]
+
+
 def test_fresh_splits_ask_about_entities_no_other_split_or_sft_trajectory_names():
     import pyarrow.parquet as pq
 
