@@ -8,10 +8,19 @@ let exceptions escape (or swallowed them into ``""``). Here a tool implements ``
 raise; ``execute`` is the never-raising wrapper for direct callers, and ``ToolExecutor`` calls
 ``run`` itself so it can tell a failure (exception -> retry, metrics ``failures``) from a result.
 A tool written against the old API (only ``execute`` overridden) still works with the executor.
+
+Function calling (``rollout.multi_turn.format: hermes``; docs/tools.md, "Function schemas"): a tool
+also declares OpenAI function schemas (``functions()``) and answers a call by name with a dict of
+arguments (``call(name, arguments)``). A tag tool is one function of one string argument
+(``argument``), named after its tag; a tool YAML's ``tool_schema`` replaces the declared schema
+(its description, say). An MCP tool declares the functions its server lists.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+
+from verl_arpo.workers.rollout.tools.schema import function_schema, validate_schema
 
 
 class ToolError(Exception):
@@ -48,6 +57,14 @@ def error_text(tool_name: str, exc: BaseException) -> str:
     return f"Error: {tool_name} tool failed: {type(exc).__name__}: {exc}"
 
 
+@dataclass(frozen=True)
+class FunctionCall:
+    """One parsed function call of the hermes format: the function's name and its JSON arguments."""
+
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+
 class BaseTool:
     """Base class of all tools. Subclasses set ``name``/``trigger_tag`` and implement ``run``."""
 
@@ -55,6 +72,37 @@ class BaseTool:
     name: str = "tool"
     #: tag the model writes around the call: <python>...</python>
     trigger_tag: str = "tool"
+    #: the function schema's description and its one string argument (function calling)
+    description: str = ""
+    argument: str = "input"
+    argument_description: str = ""
+
+    def functions(self) -> list[dict[str, Any]]:
+        """The OpenAI function schemas this tool answers: the configured ``tool_schema`` when the
+        tool YAML gives one, else one function named after the tag with one string argument."""
+        override = getattr(self, "_tool_schema", None)
+        if override is not None:
+            return [override]
+        return [function_schema(self.trigger_tag, self.description or f"Run the {self.name} tool.", self.argument,
+                                self.argument_description or f"the input of the {self.name} tool")]
+
+    def set_tool_schema(self, schema: Any, where: str) -> None:
+        """Install a tool YAML's ``tool_schema`` (checked: a bad key is an error naming it). A tag
+        tool keeps one string argument, which the schema may rename and describe."""
+        checked = validate_schema(schema, where)
+        props = checked["function"]["parameters"].get("properties", {})
+        strings = [k for k, v in props.items() if v.get("type") == "string"]
+        if type(self).call is BaseTool.call and len(strings) != 1:
+            raise ValueError(f"{where}.function.parameters: {type(self).__name__} takes one string argument; "
+                             f"declare exactly one property of type string (got {sorted(props)})")
+        if type(self).call is BaseTool.call:
+            self.argument = strings[0]
+        self._tool_schema = checked
+
+    def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """Answer a function call (arguments already checked against the schema): a tag tool runs
+        its one string argument. May raise, as ``run`` may."""
+        return self.run(arguments[self.argument])
 
     def run(self, content: str) -> str:
         """Do the work; may raise (the executor retries and reports). Override this."""

@@ -74,6 +74,8 @@ class LocalSearchTool(BaseTool):
 
     name = "search"
     trigger_tag = "search"
+    description = "Search the document collection and return the best-matching passages."
+    argument, argument_description = "query", "what to search for"
 
     def __init__(
         self,

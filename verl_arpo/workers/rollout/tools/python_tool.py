@@ -48,6 +48,8 @@ class PythonTool(BaseTool):
 
     name = "python"
     trigger_tag = "python"
+    description = "Run Python code in a sandbox and return what it prints (stdout, or the error)."
+    argument, argument_description = "code", "the Python program to run; print what you need to see"
 
     def __init__(
         self,

@@ -14,7 +14,8 @@ optional)::
         python: {class_path: verl.workers.rollout.tools.python_tool.PythonTool, params: {...}}
         search: {class_path: ..., params: {...},
                  max_concurrency: 8,   optional: calls of this tool running at once (an API's rate limit)
-                 timeout: 30}          optional: this tool's own wall seconds per call
+                 timeout: 30,          optional: this tool's own wall seconds per call
+                 tool_schema: {...}}   optional: its OpenAI function schema (function calling; schema.py)
 
 Class paths under ``verl.workers.rollout.tools.`` and ``verl.workers.agent.tools.`` (the reference
 repos) resolve to ours, so the seeds' YAML and launch-script overrides load as they are.
@@ -46,7 +47,15 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from verl_arpo.utils.job_config import ToolsConfig, from_mapping
-from verl_arpo.workers.rollout.tools.base_tool import BaseTool, ToolError, error_text, is_infra_failure, uses_run
+from verl_arpo.workers.rollout.tools.base_tool import (
+    BaseTool,
+    FunctionCall,
+    ToolError,
+    error_text,
+    is_infra_failure,
+    uses_run,
+)
+from verl_arpo.workers.rollout.tools.schema import validate_schema
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +110,32 @@ class ToolBuildError(RuntimeError):
     """A configured tool could not be built (and tools.fail_on_error is true)."""
 
 
+INSTANCE_KEYS = ("class_path", "params", "max_concurrency", "timeout", "tool_schema")
+"""The keys of one `tool_instances.<name>` entry; any other is refused (a typo would be ignored)."""
+
+
+def _check_instance(name: str, spec: Mapping[str, Any]) -> None:
+    unknown = sorted(set(spec) - set(INSTANCE_KEYS))
+    if unknown:
+        raise ValueError(f"tools.tool_instances.{name}: unknown key(s) {unknown}; allowed: {list(INSTANCE_KEYS)}")
+    if not spec.get("class_path"):
+        raise ValueError(f"tools.tool_instances.{name}.class_path: missing; write module.Class")
+
+
 def build_tools(cfg: ToolsConfig | Mapping | str | Path | Any) -> dict[str, BaseTool]:
     """``{trigger_tag: tool}``; a tool that fails to load is an error (skipped with a warning only
     when ``fail_on_error`` is false)."""
     config = load_tools_config(cfg)
     tools: dict[str, BaseTool] = {}
     for name, spec in config.tool_instances.items():
+        _check_instance(name, spec)   # the user's key error, whatever fail_on_error says
+        if spec.get("tool_schema") is not None:   # checked before anything is built or connected
+            validate_schema(_to_plain(spec["tool_schema"]), f"tools.tool_instances.{name}.tool_schema")
         try:
             cls = resolve_class(str(spec["class_path"]))
             tool = cls(**(_to_plain(spec.get("params")) or {}))
+            if spec.get("tool_schema") is not None:
+                tool.set_tool_schema(_to_plain(spec["tool_schema"]), f"tools.tool_instances.{name}.tool_schema")
             tag = getattr(tool, "trigger_tag", None) or name
             if tag in tools:
                 raise ValueError(f"trigger tag <{tag}> is already used by {tools[tag]!r}")
@@ -186,13 +212,32 @@ class ToolExecutor:
     def trigger_tags(self) -> list[str]:
         return list(self.tools)
 
+    def function_table(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """{function name: (tool tag, schema)} over every tool (function calling). Two tools that
+        declare the same function name are an error naming both."""
+        table: dict[str, tuple[str, dict[str, Any]]] = {}
+        for tag, tool in self.tools.items():
+            fns = tool.functions() if hasattr(tool, "functions") else BaseTool.functions(tool)
+            for schema in fns:
+                schema = validate_schema(schema, f"tool {tag!r}'s function schema")
+                fname = schema["function"]["name"]
+                if fname in table:
+                    raise ValueError(f"function {fname!r} is declared by tools {table[fname][0]!r} and {tag!r}; "
+                                     "rename one (tool_instances.<name>.tool_schema.function.name)")
+                table[fname] = (tag, schema)
+        return table
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """Every function schema, in tool order: what `apply_chat_template(tools=...)` renders."""
+        return [schema for _, schema in self.function_table().values()]
+
     @property
     def stop_strings(self) -> list[str]:
         """What the engine stops generation on: ``</python>``, ``</search>``, ..."""
         return [f"</{tag}>" for tag in self.tools]
 
     # ------------------------------------------------------------------------------ running
-    def execute(self, tag: str, content: str) -> ToolResult:
+    def execute(self, tag: str, content: "str | FunctionCall") -> ToolResult:
         return self.execute_batch([(tag, content)])[0]
 
     def execute_batch(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
@@ -240,7 +285,7 @@ class ToolExecutor:
             self._record(r)
         return results  # type: ignore[return-value]
 
-    def submit(self, tag: str, content: str, on_done: Callable[[ToolResult], None]) -> None:
+    def submit(self, tag: str, content: "str | FunctionCall", on_done: Callable[[ToolResult], None]) -> None:
         """Run one call in the background and hand its result to `on_done` (on a pool thread):
         the asynchronous rollout's entry point. Same timeouts, retries, metrics and error text
         as `execute`; at most ``max_workers`` calls run at once, the rest wait in the pool's queue."""
@@ -258,16 +303,18 @@ class ToolExecutor:
 
         pool.submit(run)
 
-    def _precheck(self, tag: str, content: str) -> ToolResult | None:
+    def _precheck(self, tag: str, content: str | FunctionCall) -> ToolResult | None:
         if tag not in self.tools:
             avail = ", ".join(self.tools) or "none"
             return ToolResult(f"Error: unknown tool '{tag}'. Available tools: {avail}.", False, 0.0, tag)
+        if isinstance(content, FunctionCall):   # its arguments were checked against its schema
+            return None
         if not content or not content.strip():
             return ToolResult(f"Error: empty <{tag}> call: put the input between <{tag}> and </{tag}>.",
                               False, 0.0, tag)
         return None
 
-    def _worker(self, i: int, tag: str, content: str, finished: dict[int, ToolResult],
+    def _worker(self, i: int, tag: str, content: "str | FunctionCall", finished: dict[int, ToolResult],
                 wake: threading.Condition) -> None:
         t0 = time.monotonic()
         try:
@@ -282,7 +329,7 @@ class ToolExecutor:
     def _timeout_of(self, tag: str) -> float:
         return self._timeouts.get(tag, self.timeout)
 
-    def _call_with_retries(self, tag: str, content: str, deadline: float) -> ToolResult:
+    def _call_with_retries(self, tag: str, content: "str | FunctionCall", deadline: float) -> ToolResult:
         slots = self._slots.get(tag)
         if slots is None:
             return self._attempts(tag, content, deadline)
@@ -295,9 +342,15 @@ class ToolExecutor:
         finally:
             slots.release()
 
-    def _attempts(self, tag: str, content: str, deadline: float) -> ToolResult:
+    def _attempts(self, tag: str, content: "str | FunctionCall", deadline: float) -> ToolResult:
         tool = self.tools[tag]
-        call = tool.run if uses_run(tool) else tool.execute
+        if isinstance(content, FunctionCall):   # function calling: by name, with JSON arguments
+            fn = content
+
+            def call(_):
+                return tool.call(fn.name, dict(fn.arguments))
+        else:
+            call = tool.run if uses_run(tool) else tool.execute
         problem, attempts, infra = "", 0, False
         for attempt in range(self.retry_count + 1):
             if attempt:

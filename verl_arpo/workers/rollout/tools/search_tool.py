@@ -72,6 +72,8 @@ class BingSearchTool(BaseTool):
 
     name = "search"
     trigger_tag = "search"
+    description = "Search the web and return the top results' titles and snippets."
+    argument, argument_description = "query", "what to search for"
 
     def __init__(
         self,
