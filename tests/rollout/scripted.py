@@ -30,6 +30,7 @@ class ScriptedEngine(InferenceEngine):
     script: Callable[[GenRequest, int], Turn]
     calls: list[list[GenRequest]] = field(default_factory=list)
     rounds: dict = field(default_factory=dict)
+    round_of: Callable[[str], int] | None = None   # the round from the decoded context (default: `</result>`s)
 
     def __post_init__(self):
         self.eos_token_ids = [self.tokenizer.eos_token_id]
@@ -38,7 +39,8 @@ class ScriptedEngine(InferenceEngine):
         self.calls.append(list(requests))
         outs = []
         for r in requests:
-            k = self.tokenizer.decode(r.prompt_ids).count("</result>")
+            text = self.tokenizer.decode(r.prompt_ids)
+            k = self.round_of(text) if self.round_of else text.count("</result>")
             self.rounds[r.request_id] = k + 1
             turn = self.script(r, k)
             ids = self.tokenizer.encode(turn.text, add_special_tokens=False)
@@ -65,6 +67,7 @@ class EchoTool(BaseTool):
 
     def __init__(self, tag="python", reply=None):
         self.name = self.trigger_tag = tag
+        self.argument = {"python": "code", "search": "query"}.get(tag, "input")   # its function's one argument
         self.reply = reply or (lambda c: f"ran:{c}")
         self.seen: list[str] = []
 

@@ -23,12 +23,35 @@ BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
 
-# Qwen2-style ChatML template (the layout the reference's models use).
+# Qwen2-style ChatML template (the layout the reference's models use), with Hermes-style function
+# calling in our own words: given `tools`, a system turn lists their schemas inside <tools>; an
+# assistant message's `tool_calls` render as <tool_call> JSON; consecutive `role: tool` messages
+# render as one user turn of <tool_response> blocks (as Qwen2.5's does). Without tools and tool
+# messages it renders exactly the plain ChatML layout.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{ 'You can call these functions:\n<tools>\n' }}"
+    "{%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{%- endfor %}"
+    "{{ '</tools>\nTo call one, write <tool_call>{\"name\": <function>, \"arguments\": <object>}</tool_call>.<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>' + {'name': fn['name'], 'arguments': fn['arguments']} | tojson + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 _CORPUS = [

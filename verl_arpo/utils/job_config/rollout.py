@@ -31,6 +31,12 @@ class MultiTurnConfig:
     enable: Literal[True, ""] | None = field(default=True, metadata={
         "hint": "false is not implemented: the rollout is always the multi-turn tool loop; set it to true "
                 "(a single-turn run is a tool config without tool_instances)"})
+    format: Literal["tags", "hermes"] = field(default="tags", metadata={
+        "hint": "tags: <python>…</python> calls and <result> results (the reference's); hermes: the chat "
+                "template's function calling, <tool_call> JSON and role: tool messages (docs/tools.md)"})
+    tokenization_sanity_check_mode: Literal["strict", "disable"] = field(default="strict", metadata={
+        "hint": "hermes: strict compares each trajectory's incremental ids with a full render of its messages "
+                "(rollout/tokenization_mismatch and a warning); disable skips it"})
 
 
 @dataclass(frozen=True)

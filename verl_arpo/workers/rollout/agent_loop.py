@@ -10,9 +10,12 @@ One code path for GRPO, ARPO and AEPO; the branch rule is a switch (see branchin
                   `</search>`) or its *own* remaining length budget; its round entropy H_k (the
                   first `entropy_window` tokens of the round) is recorded; the first round sets
                   H_initial = H0_k
-    3. tools      each stop string runs the tool on the text between the last `<tag>` and `</tag>`
-                  of *this round's generated text*; ` <result>\\n…\\n</result>` is appended with
-                  loss mask 0. Past `call_limit`, a forced EOS (mask 0) ends the trajectory.
+    3. tools      the round's tool calls, found by the format (`multi_turn.format`, tool_formats.py):
+                  tags, the text between the last `<tag>` and `</tag>` of *this round's generated
+                  text*; hermes, every `<tool_call>` JSON of the turn. They run (concurrently), and
+                  their results are appended with loss mask 0 (` <result>\\n…\\n</result>`, or the
+                  chat template's tool messages). Past `call_limit` the trajectory ends (tags: a
+                  forced EOS, mask 0).
     4. branch     for each prompt with free slots, each trajectory due a draw draws up to
                   beam_size−1 times with `branch_rule` (arpo or aepo; ΔH = H_k − H0_k), by
                   `entropy_timing`:
@@ -35,6 +38,7 @@ counted in a metric instead of hidden.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,9 +52,10 @@ from verl_arpo.utils.progress import Progress
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.rollout import branching
 from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
-from verl_arpo.workers.rollout.tool_text import extract_tool_call, fit_tool_result
+from verl_arpo.workers.rollout.tool_formats import ToolCall, build_format
 
-EMPTY_CALL_TEXT = "Error: the <{tag}> call was empty; write the {tag} input between <{tag}> and </{tag}>."
+logger = logging.getLogger(__name__)
+LIMIT_TEXT = "Error: the call limit ({limit} tool calls) was reached; this call was not run."
 
 
 def active_branch_rule(cfg: RolloutSection) -> str:
@@ -79,7 +84,8 @@ class Trajectory:
     parent_id: str | None = None
     branch_round: int = -1
     branch_pos: int = -1
-    tool_calls: list[dict] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)   # each with the round that made it
+    messages: list[dict] = field(default_factory=list)     # hermes: the turns as chat messages (sanity check)
     round_starts: list[int] = field(default_factory=list)  # response position where each round began
     draws: list[dict] = field(default_factory=list)  # branch draws made on this trajectory's own rounds
     drawn_round: int = 0  # after_result: the last round that had its draws (round 0 follows no tool result)
@@ -107,7 +113,9 @@ class Trajectory:
         child.traj_id, child.parent_id, child.branch_round, child.branch_pos = new_id, self.traj_id, r - 1, pos
         child.response_ids, child.loss_mask, child.logprobs = child.response_ids[:pos], child.loss_mask[:pos], child.logprobs[:pos]
         child.round_entropies, child.round_starts = child.round_entropies[:r], child.round_starts[:r]
-        child.tool_calls, child.num_tool_calls = child.tool_calls[:r], r
+        child.tool_calls = [c for c in child.tool_calls if c["round"] < r]
+        child.messages = [m for m in child.messages if m["round"] < r]
+        child.num_tool_calls = len(child.tool_calls)
         child.done, child.finish_reason, child.delta_entropy, child.draws, child.drawn_round = False, "", 0.0, [], r
         return child
 
@@ -115,18 +123,22 @@ class Trajectory:
 class AgentLoop:
     """Drives any `InferenceEngine` and a `ToolExecutor` through multi-turn tool rollouts."""
 
-    def __init__(self, engine, tokenizer, executor, config: RolloutSection, *, call_limit: int, seed: int):
+    def __init__(self, engine, tokenizer, executor, config: RolloutSection, *, call_limit: int, seed: int,
+                 chat_template_kwargs: dict | None = None):
         """config: the typed `actor_rollout_ref.rollout` section. call_limit: tool calls per trajectory
         (the tool executor's, which a tool YAML may set). seed: this loop's stream (the worker gives
-        rollout.seed × 1000 + rank; the step enters per call)."""
+        rollout.seed × 1000 + rank; the step enters per call). chat_template_kwargs:
+        data.apply_chat_template_kwargs (the hermes format renders tool messages with them)."""
         if not isinstance(config, RolloutSection):
             raise TypeError(f"AgentLoop: config is the typed rollout section (job_config.RolloutSection), got "
                             f"{type(config).__name__}")
         branching.get_branch_rule(config.branch_rule)  # an unknown name fails here, naming the choices
         self.engine, self.tokenizer, self.executor, self.cfg = engine, tokenizer, executor, config
         self.call_limit, self.seed = int(call_limit), int(seed)
-        self.stop_strings = list(executor.stop_strings) if executor is not None else []
+        self.format = build_format(config.multi_turn.format, tokenizer, executor, chat_template_kwargs)
+        self.stop_strings = self.format.stop_strings()
         self.eos_id = tokenizer.eos_token_id
+        self.engine_eos = set(getattr(engine, "eos_token_ids", None) or [self.eos_id])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.vocab_size = len(tokenizer)
 
@@ -194,7 +206,38 @@ class AgentLoop:
                 self._stats["rollout/duplicates"] += 1
         self.engine.release()
         self._stats["timing_s/rollout"] = time.time() - t0
+        if self.format.name == "hermes" and self.cfg.multi_turn.tokenization_sanity_check_mode == "strict":
+            self._sanity_check(prompts, [t for g in groups for t in g])
         return self._to_dataproto(prompts, groups)
+
+    def _sanity_check(self, prompts: DataProto, trajs: list[Trajectory]) -> None:
+        """hermes, `tokenization_sanity_check_mode: strict`: each trajectory's ids (built turn by
+        turn, what trains) against the ids of its whole conversation rendered in one go by the chat
+        template. A mismatch is not an error (the incremental ids are the ones the engine sampled);
+        it says where a trainer that re-renders would train other tokens (a template that strips
+        `<think>`, a tokenizer that merges across a turn boundary): `rollout/tokenization_mismatch`
+        (share of trajectories) and one warning with the first differing position."""
+        raw = prompts.non_tensor_batch.get("raw_prompt")
+        if raw is None:
+            self._stats["rollout/tokenization_unchecked"] = float(len(trajs))   # data.return_raw_chat is off
+            return
+        bad, first = 0, None
+        for t in trajs:
+            messages = [*map(dict, raw[t.prompt_idx]), *({k: v for k, v in m.items() if k != "round"} for m in t.messages)]
+            want = self.format.full_render_ids(messages)
+            have = t.prompt_ids + t.response_ids
+            if want[:len(have)] != have:
+                bad += 1
+                if first is None:
+                    pos = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+                    first = (t.traj_id, pos, self.tokenizer.decode(have[max(0, pos - 8):pos + 8]),
+                             self.tokenizer.decode(want[max(0, pos - 8):pos + 8]))
+        self._stats["rollout/tokenization_mismatch"] = bad / max(1, len(trajs))
+        if first is not None:
+            logger.warning("tokenization sanity check: %d of %d trajectories differ from a full render of their "
+                           "messages; first %s at token %d: trained %r, full render %r (the trained ids are the "
+                           "engine's; set multi_turn.tokenization_sanity_check_mode=disable to skip)", bad, len(trajs),
+                           *first)
 
     # ---------------------------------------------------------------------------------------
     def _mode(self, validate: bool, meta: dict) -> tuple[int, str, SamplingParams]:
@@ -240,13 +283,13 @@ class AgentLoop:
                                seed=int(rng.integers(2**31 - 1)) if cfg.seed_requests else None)
                     for t in active]
         outputs = self.engine.generate(requests)
-        calls = [(t, *call) for t, out in zip(active, outputs) if (call := self._take_output(t, out, tools))]
-        if calls:
-            self._execute(calls)
+        turns = [(t, calls, out) for t, out in zip(active, outputs) if (calls := self._take_output(t, out, tools))]
+        if turns:
+            self._execute(turns)
 
-    def _take_output(self, t: Trajectory, out, tools: bool = True) -> tuple[str, str] | None:
-        """Append one round's generated tokens and entropy to `t`; return its tool call (tag,
-        content), or None when the trajectory ended (EOS, length, call limit)."""
+    def _take_output(self, t: Trajectory, out, tools: bool = True) -> list[ToolCall] | None:
+        """Append one round's generated tokens and entropy to `t`; return its tool calls (the
+        format's parse), or None when the trajectory ended (EOS, length, call limit)."""
         cfg = self.cfg
         self._stats["rollout/tokens_generated"] += len(out.token_ids)
         t.round_starts.append(len(t.response_ids))
@@ -257,39 +300,56 @@ class AgentLoop:
         t.delta_entropy = h - t.base_entropy
         self._round_entropy[len(t.round_entropies) - 1].append(h)
         room = cfg.response_length - len(t.response_ids)
-        if out.finish_reason != "stop" or not tools:
+        calls = self.format.parse(out) if tools else None
+        if self.format.name == "hermes":
+            self._record_turn(t, out)
+        if calls is None:
             t.done, t.finish_reason = True, out.finish_reason
         elif room <= 0:  # the call closed exactly at the budget: no room for a result
             t.done, t.finish_reason = True, "length"
         elif t.num_tool_calls >= self.call_limit:
-            t.append([self.eos_id], 0)  # forced, not sampled: loss mask 0
+            if self.format.forced_eos:
+                t.append([self.eos_id], 0)  # forced, not sampled: loss mask 0
             t.done, t.finish_reason = True, "call_limit"
         else:
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            return extract_tool_call(text, out.stop_str)
+            left = self.call_limit - t.num_tool_calls   # a turn's calls past the limit are answered, not run
+            return [c if k < left else ToolCall(c.tag, c.content, c.name, LIMIT_TEXT.format(limit=self.call_limit))
+                    for k, c in enumerate(calls)]
         return None
 
-    def _execute(self, calls: list[tuple[Trajectory, str, str]]) -> None:
-        todo = [(i, tag, content) for i, (_, tag, content) in enumerate(calls) if content.strip()]
-        results = self.executor.execute_batch([(tag, content) for _, tag, content in todo]) if todo else []
-        by_call = {i: r for (i, _, _), r in zip(todo, results)}
-        for i, (t, tag, content) in enumerate(calls):
-            self._take_result(t, tag, content, by_call.get(i))
+    def _execute(self, turns: list[tuple[Trajectory, list[ToolCall], object]]) -> None:
+        """Run every well-formed call of every turn in one concurrent batch, then append each turn's results."""
+        todo = [(k, j, c) for k, (_, calls, _) in enumerate(turns) for j, c in enumerate(calls) if c.error is None]
+        results = self.executor.execute_batch([(c.tag, c.content) for _, _, c in todo]) if todo else []
+        by_call = {(k, j): r for (k, j, _), r in zip(todo, results)}
+        for k, (t, calls, out) in enumerate(turns):
+            self._take_results(t, calls, [by_call.get((k, j)) for j in range(len(calls))], out)
 
-    def _take_result(self, t: Trajectory, tag: str, content: str, r) -> None:
-        """Append a tool's result (mask 0) to `t`; None = an empty call, answered without the tool."""
-        text = r.text if r is not None else EMPTY_CALL_TEXT.format(tag=tag)
-        t.num_tool_calls += 1
+    def _take_results(self, t: Trajectory, calls: list[ToolCall], results: list, out) -> None:
+        """Append a turn's tool results (mask 0) to `t`; a None result is a call answered without a
+        tool (empty, malformed, past the limit), with its error text."""
+        texts = [r.text if r is not None else c.error for c, r in zip(calls, results)]
+        t.num_tool_calls += len(calls)
         room = self.cfg.response_length - len(t.response_ids)
         # [reliability: tests/reliability/README.md] encode only what the budget can hold (a 10 MB tool output took
-        # tens of seconds to tokenise); `text` becomes the (sanitised) part the trajectory holds
-        ids, text = fit_tool_result(self.tokenizer, text, room)
-        t.tool_calls.append({"tag": tag, "content": content, "result": text,
-                             "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok),
-                             "infra": bool(r is not None and r.infra)})   # the service failed, not the model
+        # tens of seconds to tokenise); `shown` becomes the (sanitised) part the trajectory holds
+        ids, shown = self.format.render_results(calls, texts, room, out)
+        r_idx = len(t.round_entropies) - 1
+        for c, r, text in zip(calls, results, shown):
+            t.tool_calls.append({**c.record, "result": text, "round": r_idx,
+                                 "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok),
+                                 "infra": bool(r is not None and r.infra)})   # the service failed, not the model
+            if self.format.name == "hermes":
+                t.messages.append({"role": "tool", "name": c.name, "content": text, "round": r_idx})
         t.append(ids[:room], 0)
         if len(ids) >= room:
             t.done, t.finish_reason = True, "length"
+
+    def _record_turn(self, t: Trajectory, out) -> None:
+        """hermes: the turn as an assistant message (its text without the EOS), for the sanity check."""
+        ids = [i for i in out.token_ids if i not in self.engine_eos]
+        t.messages.append({"role": "assistant", "round": len(t.round_entropies) - 1,
+                           "content": self.tokenizer.decode(ids, skip_special_tokens=False)})
 
     # ---------------------------------------------------------------------------------------
     def _branch(self, groups: list[list[Trajectory]], rule: str, rng: np.random.Generator,
@@ -430,6 +490,8 @@ class AgentLoop:
             m["rollout/entropy/before_tools"] = float(np.mean(first))
         if later:
             m["rollout/entropy/after_tools"] = float(np.mean(later))
+        if hasattr(self.format, "metrics"):
+            m.update(self.format.metrics(reset=True))
         if self.executor is not None and hasattr(self.executor, "metrics"):
             # per-call window: counts belong to this rollout, so a resumed run reports the same numbers
             m.update({k: float(v) for k, v in self.executor.metrics(reset=True).items() if isinstance(v, (int, float))})

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import queue
 import re
+import threading
 import time
 import zlib
 
@@ -52,7 +53,7 @@ class AsyncAgentLoop(AgentLoop):
         validate, n, rule, sampling, prompt_ids, _, groups = self._begin(prompts)
         consecutive = [0] * len(groups)  # AEPO c_i, per prompt, counted over its branching decisions
         by_id: dict[str, Trajectory] = {}
-        results: queue.SimpleQueue = queue.SimpleQueue()  # (trajectory, tag, content, ToolResult | None)
+        results: queue.SimpleQueue = queue.SimpleQueue()  # (trajectory, its turn's calls, their results, output)
         in_tool, engine_busy = 0, 0.0
         progress = Progress("validation rollout" if validate else "rollout")
 
@@ -76,19 +77,19 @@ class AsyncAgentLoop(AgentLoop):
                 engine_busy += time.perf_counter() - s
                 for req, out in outputs:
                     t = by_id[req.request_id]
-                    call = self._take_output(t, out)
+                    calls = self._take_output(t, out)
                     if cfg.entropy_timing == "after_result" and self._due_draw(t):
                         start(self._branch_one(t, groups[t.prompt_idx], rule, consecutive, n))
-                    if call is None:
+                    if calls is None:
                         finished(t)
                     else:
                         in_tool += 1
-                        self._call_tool(t, *call, results)
+                        self._call_tools(t, calls, out, results)
             # 3–4. tool results that are in (wait for one only when the engine has nothing to do)
             ready = _drain(results, block=in_tool > 0 and not self.engine.has_unfinished())
-            for t, tag, content, r in sorted(ready, key=lambda x: x[0].traj_id):
+            for t, calls, rs, out in sorted(ready, key=lambda x: x[0].traj_id):
                 in_tool -= 1
-                self._take_result(t, tag, content, r)
+                self._take_results(t, calls, rs, out)
                 if not t.done and cfg.max_rounds is not None and len(t.round_entropies) >= cfg.max_rounds:
                     t.done, t.finish_reason = True, "max_rounds"
                 if t.done:
@@ -119,11 +120,25 @@ class AsyncAgentLoop(AgentLoop):
                           max_new_tokens=cfg.response_length - len(t.response_ids), stop=self.stop_strings,
                           sampling=sampling, parent_id=t.parent_id, seed=seed)
 
-    def _call_tool(self, t: Trajectory, tag: str, content: str, results: queue.SimpleQueue) -> None:
-        if not content.strip():   # answered without the tool, as in sync mode
-            results.put((t, tag, content, None))
+    def _call_tools(self, t: Trajectory, calls: list, out, results: queue.SimpleQueue) -> None:
+        """Start a turn's well-formed calls on the executor's threads; the turn's results go to the
+        queue together, once the last is in (a malformed call is answered without a tool, as in sync mode)."""
+        got: list = [None] * len(calls)
+        todo = [j for j, c in enumerate(calls) if c.error is None]
+        if not todo:
+            results.put((t, calls, got, out))
             return
-        self.executor.submit(tag, content, lambda r: results.put((t, tag, content, r)))
+        left, lock = [len(todo)], threading.Lock()
+
+        def done(j: int, r) -> None:
+            got[j] = r
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                results.put((t, calls, got, out))
+        for j in todo:
+            self.executor.submit(calls[j].tag, calls[j].content, lambda r, j=j: done(j, r))
 
     def _branch_one(self, t: Trajectory, group: list[Trajectory], rule: str, consecutive: list[int],
                     n: int) -> list[Trajectory]:
