@@ -256,6 +256,14 @@ def test_bad_config():
         tool.close()
 
 
+def test_connect_is_bounded_by_connect_timeout():
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]   # starts, never answers the handshake
+    t0 = time.monotonic()
+    with pytest.raises(ToolInfraError, match=r"could not connect \(command=.*, within 1 s\)"):
+        MCPTool(command=silent, connect_timeout=1)
+    assert time.monotonic() - t0 < 8   # 1 s, then the SDK's bounded shutdown of the silent process
+
+
 def test_secrets_stay_out_of_connection_errors_and_logs(caplog):
     port = _free_port()   # closed: nothing listens on it
     token, key, query = "SECRET" + "123", "KEYSECRET" + "456", "QUERYSECRET" + "789"   # not in this source

@@ -32,7 +32,11 @@ def configure_chat_template(tokenizer: Any, custom_chat_template: str | None) ->
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool,
-                kwargs: Mapping[str, Any] | None = None) -> str:
-    """`apply_chat_template(..., tokenize=False)` with the configured extra keyword arguments."""
+                kwargs: Mapping[str, Any] | None = None, tools: list[dict] | None = None) -> str:
+    """`apply_chat_template(..., tokenize=False)` with the configured extra keyword arguments, and
+    the function schemas (`tools`) when the hermes format renders them into the prompt."""
+    extra = dict(kwargs or {})
+    if tools:
+        extra["tools"] = tools
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **dict(kwargs or {}))
+                                         **extra)

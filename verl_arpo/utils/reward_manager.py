@@ -7,6 +7,8 @@ arguments). For each row i of a DataProto holding `responses` (B, R) and `attent
     valid_i      = attention_mask[i, P:] OR response_mask[i]     (tool results count as valid)
     L_i          = 1 + last index where valid_i == 1              (0 if none)
     text_i       = decode(responses[i, :L_i], skip_special_tokens=True)
+                   (multi_turn.format=hermes: responses[i, F_i:L_i], F_i the start of the last
+                   assistant turn, after the last tool message: `final_turn_start`)
     s_i          = compute_score(data_source=ds_i, solution_str=text_i,
                                  ground_truth=reward_model_i["ground_truth"], extra_info=ex_i)
     S_i          = last index where response_mask[i] == 1         (the last token the model sampled)
@@ -162,7 +164,10 @@ class NaiveRewardManager:
     def __init__(self, tokenizer: Any, num_examine: int = 0, compute_score: Callable | None = None,
                  reward_fn_key: str = "data_source", num_workers: int | None = None,
                  parallel_threshold: int = 256, mp_start_method: str = "spawn", score_timeout: float | None = None,
-                 **unused: Any):
+                 solution_span: str = "response", **unused: Any):
+        if solution_span not in ("response", "final_turn"):
+            raise ValueError(f"solution_span={solution_span!r}; choose response or final_turn")
+        self.solution_span = solution_span   # final_turn: the hermes format's last assistant message
         self.tokenizer = tokenizer
         self.num_examine = int(num_examine)
         self.compute_score = compute_score or default_compute_score
@@ -388,6 +393,9 @@ class NaiveRewardManager:
         n = responses.shape[0]
         lengths = self.valid_response_lengths(data).tolist()
         id_lists = [responses[i, :lengths[i]].tolist() for i in range(n)]
+        if self.solution_span == "final_turn" and "response_mask" in data.batch.keys():
+            id_lists = [ids[final_turn_start(data.batch["response_mask"][i, :len(ids)].tolist()):] for i, ids in
+                        enumerate(id_lists)]
         texts = self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)
         nt = data.non_tensor_batch
         if self.reward_fn_key not in nt:
@@ -465,6 +473,14 @@ def _one_past_last(flags: torch.Tensor) -> torch.Tensor:
     return (positions * flags).max(dim=-1).values
 
 
+def final_turn_start(mask: list[int]) -> int:
+    """Where the last assistant turn begins: after the last loss-mask-0 token (a tool message)
+    that precedes the last sampled token (0 when the model never called a tool). The hermes format
+    scores this turn only, so an answer quoted in a tool message cannot score."""
+    last = max((k for k, v in enumerate(mask) if v), default=-1)
+    return max((k for k in range(last) if not mask[k]), default=-1) + 1
+
+
 def load_reward_manager(config: JobConfig, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> Any:
     """Build the reward manager named by `config.reward_model.reward_manager` (default "naive").
 
@@ -479,5 +495,7 @@ def load_reward_manager(config: JobConfig, tokenizer: Any, num_examine: int = 0,
                "score_timeout": reward_cfg.score_timeout}
     if reward_cfg.num_workers is not None:  # None: the manager's own choice, min(4, cpu count)
         options["num_workers"] = reward_cfg.num_workers
+    if job.actor_rollout_ref.rollout.multi_turn.format == "hermes":   # tool messages are the template's user turns
+        options["solution_span"] = "final_turn"
     options.update(kwargs)
     return cls(tokenizer=tokenizer, num_examine=num_examine, compute_score=get_custom_reward_fn(job), **options)

@@ -159,10 +159,24 @@ TOOL_TRAJECTORIES = (
 )
 
 
-def make_tool_model(base_dir: str | Path, save_dir: str | Path, steps: int = 60, seed: int = 0) -> str:
+HERMES_TOOL_CALLS = (
+    ("python", {"code": "print(12 * 34)"}),
+    ("add", {"a": 400, "b": 8}),
+)
+"""The hermes format's calls the tool model learns (`tools=`): those whose function is offered."""
+
+
+def make_tool_model(base_dir: str | Path, save_dir: str | Path, steps: int | None = None, seed: int = 0,
+                    tools: list[dict] | None = None) -> str:
     """Over-fit the tiny model for a few seconds so that, after the chat prompt of TOOL_PROMPT_USER,
     sampling writes `<python>` / `<search>` calls and then an answer. Rollouts with it exercise
-    real tools, results and continuation (tests, smoke runs, benchmarks). Returns save_dir."""
+    real tools, results and continuation (tests, smoke runs, benchmarks). Returns save_dir.
+
+    `tools` (function schemas): the hermes format instead. The prompt is rendered with them, and
+    the model learns `<tool_call>` JSON for the offered functions of HERMES_TOOL_CALLS, the
+    template's tool message, then `<answer> \\boxed{408} </answer>`. Steps: 60 (tags), 200 (hermes:
+    its JSON calls and the schemas in the prompt are longer; fewer steps leave the JSON malformed)."""
+    steps = steps if steps is not None else (200 if tools else 60)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,10 +184,25 @@ def make_tool_model(base_dir: str | Path, save_dir: str | Path, steps: int = 60,
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     model = AutoModelForCausalLM.from_pretrained(str(base_dir))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    prompt = tok.apply_chat_template([{"role": "user", "content": TOOL_PROMPT_USER}], add_generation_prompt=True,
-                                     tokenize=False)
-    texts = [prompt + t for t in TOOL_TRAJECTORIES]
-    texts.append(prompt + TOOL_TRAJECTORIES[0] + " <result>\n408\n</result> <answer> \\boxed{408} </answer>")
+    user = [{"role": "user", "content": TOOL_PROMPT_USER}]
+    if tools:
+        offered = {t["function"]["name"] for t in tools}
+        calls = [(n, a) for n, a in HERMES_TOOL_CALLS if n in offered]
+        if not calls:
+            raise ValueError(f"make_tool_model: tools offer none of {[n for n, _ in HERMES_TOOL_CALLS]}")
+        prompt = tok.apply_chat_template(user, tools=tools, add_generation_prompt=True, tokenize=False)
+        texts = []
+        for name, args in calls:
+            call = "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+            texts.append(prompt + call)
+            texts.append(tok.apply_chat_template(user + [
+                {"role": "assistant", "content": call}, {"role": "tool", "name": name, "content": "408"},
+                {"role": "assistant", "content": "<answer> \\boxed{408} </answer>"}], tools=tools, tokenize=False)
+                .rstrip("\n").removesuffix(tok.eos_token))
+    else:
+        prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        texts = [prompt + t for t in TOOL_TRAJECTORIES]
+        texts.append(prompt + TOOL_TRAJECTORIES[0] + " <result>\n408\n</result> <answer> \\boxed{408} </answer>")
     batch = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
     width = max(map(len, batch))
     ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])

@@ -176,8 +176,11 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
         self.tool_executor = ToolExecutor.from_config(rcfg.tools)
         call_limit = self.tool_executor.call_limit if self.tool_executor else 0
         # each rank draws from its own stream: seed + rank (the step enters inside the loop)
+        if self.derived.chat_template is not None:   # the prompts' template renders the hermes tool messages too
+            self.tokenizer.chat_template = self.derived.chat_template
         self.agent_loop = build_agent_loop(rcfg.mode, self.engine, self.tokenizer, self.tool_executor, rcfg,
-                                           call_limit=call_limit, seed=int(rcfg.seed) * 1000 + self.rank)
+                                           call_limit=call_limit, seed=int(rcfg.seed) * 1000 + self.rank,
+                                           chat_template_kwargs=self.derived.chat_template_kwargs)
 
     # ------------------------------------------------------------------ weight sync
     def _weight_plan(self) -> list[tuple[str, torch.Tensor, tuple | None]]:

@@ -221,6 +221,8 @@ class RayPPOTrainer(TrainerCheckpoints):
         batch.non_tensor_batch["uid"] = as_object_array([f"{'v' if validate else 's'}{step}-{i}" for i in range(len(batch))])
         gen = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=["uid"])
         gen.non_tensor_batch["uid"] = batch.non_tensor_batch["uid"] = gen.non_tensor_batch["uid"]
+        if "raw_prompt" in batch.non_tensor_batch:   # the hermes format's sanity check renders the messages again
+            gen.non_tensor_batch["raw_prompt"] = batch.non_tensor_batch["raw_prompt"]
         gen.meta_info = {"global_steps": step, "validate": validate}
         out = self.actor_rollout_wg.generate_sequences(gen)
         n = len(out) // len(batch)
@@ -495,8 +497,13 @@ def run_ppo(config: JobConfig, keep_workers: bool = False):
         logger.warning(line)
     model_path = config.actor_rollout_ref.model.path
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or model_path)
-    train_ds = RLHFDataset(config.data.train_files, tokenizer, config.data)
-    val_ds = RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.val_files else None
+    tools = None
+    if config.actor_rollout_ref.rollout.multi_turn.format == "hermes":   # the prompts show the function schemas
+        from verl_arpo.workers.rollout.tools.registry import tool_schemas
+
+        tools = tool_schemas(config.actor_rollout_ref.rollout.tools)
+    train_ds = RLHFDataset(config.data.train_files, tokenizer, config.data, tools=tools)
+    val_ds = RLHFDataset(config.data.val_files, tokenizer, config.data, tools=tools) if config.data.val_files else None
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
     trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn)

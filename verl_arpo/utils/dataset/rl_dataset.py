@@ -105,7 +105,11 @@ def _records(table) -> tuple[list[dict[str, Any]], dict[int, tuple]]:
 class RLHFDataset(Dataset):
     """Prompts for RL from parquet files (see the module docstring)."""
 
-    def __init__(self, data_files: Any, tokenizer: Any, config: DataConfig | None = None, processor: Any = None):
+    def __init__(self, data_files: Any, tokenizer: Any, config: DataConfig | None = None, processor: Any = None,
+                 tools: list[dict] | None = None):
+        """tools: the function schemas the prompts are rendered with (`multi_turn.format=hermes`:
+        `apply_chat_template(..., tools=tools)`); the rows then keep `raw_prompt` too, which the
+        rollout's tokenization sanity check renders again."""
         if processor is not None:
             raise NotImplementedError("multimodal processors are not supported by RLHFDataset")
         if isinstance(data_files, (str, os.PathLike)):
@@ -123,7 +127,8 @@ class RLHFDataset(Dataset):
         self.max_prompt_length = int(config.max_prompt_length)
         self.truncation = config.truncation
         self.filter_overlong_prompts = bool(config.filter_overlong_prompts)
-        self.return_raw_chat = bool(config.return_raw_chat)
+        self.tools = list(tools) if tools else None
+        self.return_raw_chat = bool(config.return_raw_chat) or self.tools is not None
         self.system_prompt_override = config.system_prompt_override
         self.chat_template_kwargs = dict(config.apply_chat_template_kwargs or {})
         configure_chat_template(tokenizer, config.custom_chat_template)
@@ -185,7 +190,7 @@ class RLHFDataset(Dataset):
                         path, repairs_here)
 
     def _encode(self, messages: list[dict[str, str]]) -> list[int]:
-        text = render_chat(self.tokenizer, messages, True, self.chat_template_kwargs)
+        text = render_chat(self.tokenizer, messages, True, self.chat_template_kwargs, tools=self.tools)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _filter_overlong(self) -> None:

@@ -48,6 +48,7 @@ from verl_arpo.utils.job_config.training import (MODEL_DTYPE_NAMES, ActorConfig,
                                                  CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig,
                                                  PolicyLossConfig, RefConfig, RefFSDPConfig, resolve_model_dtype)
 from verl_arpo.utils.job_config.typed import ConfigError, Problems, build, choices, from_mapping, plain_tree, to_dict
+from verl_arpo.utils.chat_template import load_chat_template
 
 __all__ = ["ConfigError", "JobConfig", "Derived", "Batching", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
            "RolloutSection", "CriticConfig", "ToolsConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig",
@@ -161,6 +162,11 @@ class Derived:
     """the critic's update: critic.ppo_mini_batch_size prompts × rollout.n ÷ world per step."""
     critic_values: Batching
     """the critic's value pass (its micro size, forward_max_token_len_per_gpu)."""
+    chat_template: str | None = None
+    """data.custom_chat_template (the file's text when it names one): the rollout renders the hermes
+    format's tool messages with the template that rendered the prompts."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """data.apply_chat_template_kwargs, for the same reason."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,9 @@ class JobConfig:
             need_ref=kl_loss or kl_reward, need_critic=algo.adv_estimator == "gae", on_policy=on_policy,
             actor_update=Batching.for_update(a, n, world, asp), actor_log_prob=Batching.for_log_prob(r, world, asp),
             ref_log_prob=Batching.for_log_prob(ref, world, asp), critic_update=Batching.for_update(c, n, world, csp),
-            critic_values=Batching.for_values(c, world, csp))
+            critic_values=Batching.for_values(c, world, csp),
+            chat_template=load_chat_template(self.data.custom_chat_template),
+            chat_template_kwargs=dict(self.data.apply_chat_template_kwargs or {}))
 
     @classmethod
     def from_mapping(cls, data: Any) -> "JobConfig":

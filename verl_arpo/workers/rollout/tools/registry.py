@@ -153,6 +153,16 @@ def build_tools(cfg: ToolsConfig | Mapping | str | Path | Any) -> dict[str, Base
     return tools
 
 
+def tool_schemas(cfg: ToolsConfig | Mapping | str | Path | Any) -> list[dict[str, Any]]:
+    """The function schemas of a tool config (what the hermes format renders into every prompt):
+    the tools are built, asked (an MCP tool asks its server) and closed again."""
+    executor = ToolExecutor.from_config(cfg)
+    try:
+        return executor.schemas()
+    finally:
+        executor.close()
+
+
 @dataclass
 class ToolResult:
     """Outcome of one call: the text for ``<result>``, whether the tool succeeded, wall seconds."""
