@@ -191,3 +191,50 @@ def test_cli_end_to_end_tiny_model_with_judge(tiny_model_dir, tmp_path, judge_se
     args = ["--model", tiny_model_dir, "--data", str(data), "--k", "1", "--max_response_length", "16", "--tools", "none"]
     a, b = main_eval.main(args), main_eval.main(args)
     assert [s["samples"][0]["text"] for s in a["samples"]] == [s["samples"][0]["text"] for s in b["samples"]]
+
+
+class _HermesEngine(InferenceEngine):
+    """hermes: trajectory t0 calls `python` by function calling and answers with its result; t1
+    calls `python` to *print* a boxed answer, then answers 0: the tool message holds \\boxed{a*b},
+    the final assistant turn does not, so t1 must score 0."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.eos_token_ids = tokenizer, [tokenizer.eos_token_id]
+        self.prompts: list[str] = []
+
+    def generate(self, requests):
+        outs = []
+        for r in requests:
+            text = self.tokenizer.decode(r.prompt_ids)
+            self.prompts.append(text)
+            a, b = map(int, text.split("What is ")[-1].split("?")[0].split(" * "))
+            code = f"print({a} * {b})" if r.request_id.endswith("-t0") else f"print('\\\\boxed{{' + str({a} * {b}) + '}}')"
+            if "<tool_response>" not in text:
+                reply = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+            else:
+                result = text.rsplit("<tool_response>\n", 1)[-1].split("\n</tool_response>")[0].strip()
+                reply = f"<answer> \\boxed{{{result if r.request_id.endswith('-t0') else 0}}} </answer>"
+            ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_token_ids[0]]
+            outs.append(GenOutput(ids, "eos", None, [-0.1] * len(ids), [[-0.1]] * len(ids), None))
+        return outs
+
+    def update_weights(self, named_tensors):
+        pass
+
+
+def test_hermes_format_scores_the_final_assistant_turn(tiny_model_dir, tiny_tokenizer, tmp_path):
+    data = tmp_path / "mul.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n"
+                            for a, b in [(123, 45), (67, 89)]))
+    args = main_eval.build_parser().parse_args([
+        "--model", tiny_model_dir, "--data", str(data), "--k", "2", "--data_source", "arpo_toy_math",
+        "--tools", "configs/tools/python_only.yaml", "--format", "hermes", "--max_response_length", "256"])
+    engine = _HermesEngine(tiny_tokenizer)
+    report = main_eval.run_eval(args, engine=engine, tokenizer=tiny_tokenizer)
+    m = report["per_data_source"]["arpo_toy_math"]
+    assert report["format"] == "hermes" and m["pass@1"] == 0.5 and m["pass@2"] == 1.0
+    assert m["tool_calls_per_question_by_tag"] == {"python": 1.0}   # one call per sample
+    t0, t1 = report["samples"][0]["samples"]
+    assert t0["correct"] and t0["text"].strip() == "<answer> \\boxed{5535} </answer>"   # the final turn only
+    assert not t1["correct"] and "<tool_response>" not in t1["text"]
+    assert '"name": "python"' in engine.prompts[0] and "<tools>" in engine.prompts[0]   # rendered with the schemas

@@ -225,34 +225,46 @@ def rule_result(result: Any, threshold: float) -> tuple[float, bool, str | None]
 
 
 # --------------------------------------------------------------------------- inference
-def _prompt_batch(tokenizer, rows: list[dict], uid_offset: int, template_kwargs: dict | None = None):
+def _prompt_batch(tokenizer, rows: list[dict], uid_offset: int, template_kwargs: dict | None = None,
+                  tools: list[dict] | None = None):
     import torch
 
     from verl_arpo.protocol import DataProto, as_object_array
 
-    encoded = [render_chat(tokenizer, r["messages"], True, template_kwargs) for r in rows]
+    encoded = [render_chat(tokenizer, r["messages"], True, template_kwargs, tools=tools) for r in rows]
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in encoded]
     width = max(map(len, ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long)
     uids = as_object_array([f"q{uid_offset + i}" for i in range(len(rows))])
-    return DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask}, non_tensors={"uid": uids})
+    non_tensors = {"uid": uids}
+    if tools:   # the hermes format's sanity check renders the messages again
+        non_tensors["raw_prompt"] = as_object_array([[dict(m) for m in r["messages"]] for r in rows])
+    return DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask}, non_tensors=non_tensors)
 
 
 def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int,
              template_kwargs: dict | None = None) -> list[list[dict]]:
-    """k trajectories per row: [{text, num_tool_calls, tool_tags, finish_reason}] per row."""
+    """k trajectories per row: [{text, num_tool_calls, tool_tags, finish_reason}] per row. In the
+    hermes format `text` is the final assistant turn (what is scored, as in training) and
+    `tool_tags` the function names."""
+    from verl_arpo.utils.reward_manager import final_turn_start
+
+    hermes = getattr(getattr(loop, "format", None), "name", "tags") == "hermes"
+    tools = loop.format.schemas if hermes else None
     out: list[list[dict]] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        prompts = _prompt_batch(tokenizer, chunk, start, template_kwargs)
+        prompts = _prompt_batch(tokenizer, chunk, start, template_kwargs, tools)
         prompts.meta_info = {"validate": True} if k == 1 else {"validate": False, "n": k, "do_sample": True}
         prompts.meta_info["global_steps"] = start // batch_size  # a fresh, reproducible seed per chunk
         res = loop.generate_sequences(prompts)
         R = res.batch["responses"].shape[-1]
         lengths = res.batch["attention_mask"][:, -R:].sum(-1).tolist()
-        texts = [tokenizer.decode(res.batch["responses"][j, :L].tolist(), skip_special_tokens=True)
+        first = [final_turn_start(res.batch["response_mask"][j, :L].tolist()) if hermes else 0
+                 for j, L in enumerate(lengths)]
+        texts = [tokenizer.decode(res.batch["responses"][j, first[j]:L].tolist(), skip_special_tokens=True)
                  for j, L in enumerate(lengths)]
         nt = res.non_tensor_batch
         for i in range(len(chunk)):
@@ -260,7 +272,7 @@ def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int,
             for j in range(i * k, (i + 1) * k):
                 calls = list(nt["tool_calls"][j])
                 samples.append({"text": texts[j], "num_tool_calls": int(nt["num_tool_calls"][j]),
-                                "tool_tags": [c["tag"] for c in calls], "finish_reason": str(nt["finish_reason"][j]),
+                                "tool_tags": [c.get("name", c["tag"]) for c in calls], "finish_reason": str(nt["finish_reason"][j]),
                                 "response_tokens": int(lengths[j])})
             out.append(samples)
         logger.info("generated %d/%d questions", min(start + batch_size, len(rows)), len(rows))
@@ -350,7 +362,7 @@ def build_loop(args, tokenizer, engine=None):
     """AgentLoop over the engine of `--engine` (or the one given) and the tools of `--tools`."""
     import dataclasses
 
-    from verl_arpo.utils.job_config import RolloutSection
+    from verl_arpo.utils.job_config import MultiTurnConfig, RolloutSection
     from verl_arpo.workers.rollout import build_agent_loop
     from verl_arpo.workers.rollout.engines import build_engine
     from verl_arpo.workers.rollout.tools import ToolExecutor
@@ -363,10 +375,12 @@ def build_loop(args, tokenizer, engine=None):
     executor = None if str(args.tools).lower() in ("none", "") else ToolExecutor.from_config(_resolve(args.tools))
     call_limit = args.call_limit if args.call_limit is not None else (executor.call_limit if executor else 0)
     # the YAML's rollout section with this command's sampling (the initial_rollouts default: no branching)
+    fmt = getattr(args, "format", "tags")
     cfg = dataclasses.replace(RolloutSection(), n=args.k, response_length=args.max_response_length,
-                              temperature=args.temperature, top_p=args.top_p, entropy_topk=1)
+                              temperature=args.temperature, top_p=args.top_p, entropy_topk=1,
+                              multi_turn=MultiTurnConfig(format=fmt))
     return build_agent_loop(args.rollout_mode, engine, tokenizer, executor, cfg, call_limit=call_limit,
-                            seed=args.seed), executor
+                            seed=args.seed, chat_template_kwargs=getattr(args, "chat_template_kwargs", None)), executor
 
 
 def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
@@ -397,6 +411,7 @@ def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
     seconds = time.time() - t0
     score_samples(rows, generations, reward_fn, args.correct_threshold, judge, score_timeout=args.score_timeout)
     report = {"model": args.model, "data": args.data, "k": args.k, "engine": args.engine, "tools": args.tools,
+              "format": getattr(args, "format", "tags"),
               "sampling": {"greedy": args.k == 1, "temperature": None if args.k == 1 else args.temperature,
                            "top_p": None if args.k == 1 else args.top_p, "seed": args.seed,
                            "max_response_length": args.max_response_length},
@@ -421,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="report JSON path")
     p.add_argument("--k", type=int, default=1, help="samples per question (1 = greedy)")
     p.add_argument("--tools", default="configs/tools/python_search_local.yaml", help="tool YAML, or 'none'")
+    p.add_argument("--format", choices=["tags", "hermes"], default="tags",
+                   help="tool-call format (actor_rollout_ref.rollout.multi_turn.format): the reference's tags, or "
+                        "the chat template's function calling (prompts rendered with the tools' schemas)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     p.add_argument("--rollout_mode", choices=ROLLOUT_MODES, default="sync_with_tool",
                    help="rounds with barriers, or none (tools overlap generation): rollout.mode")
