@@ -108,3 +108,31 @@ def test_bundled_sft_file_masks_every_tool_result(tiny_tokenizer):
         item = tokenize_conversation(tok, to_messages(rec))
         expected = re.sub(r" <result>.*?</result>", "", traj, flags=re.S) + EOS
         assert "".join(_trained(tok, item)) == expected
+
+
+def test_function_calls_train_and_tool_messages_do_not(tiny_tokenizer, tmp_path):
+    """A hermes conversation (assistant tool_calls, a role: tool message, the record's schemas):
+    trained exactly the two assistant turns up to their EOS, as the template renders them."""
+    import json
+
+    from verl_arpo.trainer.main_sft import SFTDataset
+    from verl_arpo.workers.rollout.tools.python_tool import PythonTool
+
+    tok = tiny_tokenizer
+    tools = PythonTool().functions()
+    rec = {"tools": json.dumps(tools), "messages": [
+        {"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "python",
+                                                                           "arguments": {"code": "print(12 * 34)"}}}]},
+        {"role": "tool", "name": "python", "content": "408"},
+        {"role": "assistant", "content": "<answer> \\boxed{408} </answer>"}]}
+    (tmp_path / "fc.jsonl").write_text(json.dumps(rec) + "\n")
+    (item,) = SFTDataset(tmp_path / "fc.jsonl", tok, max_length=2048).items
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(12 * 34)"}}</tool_call>'
+    assert _trained(tok, item) == [call + EOS, "<answer> \\boxed{408} </answer>" + EOS]
+    untrained = [text for m, text in _runs(tok, item) if m == 0]
+    assert "<tools>" in untrained[0] and '"name": "python"' in untrained[0]      # the schemas in the prompt
+    assert untrained[1] == "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="tool_calls belong to an assistant turn"):
+        to_messages({"messages": [{"role": "user", "content": "q", "tool_calls": [{"name": "f"}]},
+                                  {"role": "assistant", "content": "a"}]})

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from verl_arpo.trainer.sft_data import read_records, to_messages, tokenize_conversation
+from verl_arpo.trainer.sft_data import read_records, record_tools, to_messages, tokenize_conversation
 from verl_arpo.utils.chat_template import configure_chat_template
 from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.utils.job_config import OptimConfig
@@ -139,7 +139,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.items: list[dict[str, list[int]]] = []
         self.skipped = 0
         for rec in read_records(files):
-            item = tokenize_conversation(tokenizer, to_messages(rec), max_length, truncation, template_kwargs)
+            item = tokenize_conversation(tokenizer, to_messages(rec), max_length, truncation, template_kwargs,
+                                         tools=record_tools(rec))
             if item is None or not any(item["loss_mask"][1:]):
                 self.skipped += 1
                 continue

@@ -23,6 +23,12 @@ to and including the EOS token (mask 1; whatever the template writes after EOS, 
 Tokenising piece by piece makes the token boundaries at a tool call the ones the rollout sees
 (generation stops at `</python>`, the result is encoded on its own, generation resumes).
 
+Function calling (the hermes format, docs/tools.md): an assistant message may carry `tool_calls`
+([{"function": {"name", "arguments"}}] or [{"name", "arguments"}]) and `role: tool` messages hold the
+results; a record's top-level `tools` (function schemas) is rendered into the prompt. The template
+renders the calls; the assistant span up to its EOS is trained (mask 1) and the tool messages, part
+of the next turn's prefix, are not (mask 0): what the hermes rollout trains.
+
 Not covered: chat templates that rewrite earlier turns when a later one is added (e.g. templates
 that drop past `<think>` blocks); such a conversation raises ValueError naming the turn.
 """
@@ -57,7 +63,8 @@ RESULT_BLOCK = re.compile(r" ?<result>.*?</result>", re.S)
 
 
 def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
-    """One record (`conversations` or `messages`, optional `system`) → [{role, content}]."""
+    """One record (`conversations` or `messages`, optional `system`) → [{role, content}] (assistant
+    `tool_calls` and a tool message's `name` kept: the hermes format's conversations)."""
     turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, (list, tuple)) or not turns:
         raise ValueError("record has no non-empty 'conversations' or 'messages' list")
@@ -68,16 +75,38 @@ def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
     for j, turn in enumerate(turns):
         role = turn.get("from", turn.get("role")) if isinstance(turn, dict) else None
         content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        calls = turn.get("tool_calls") if isinstance(turn, dict) else None
+        if content is None and calls:
+            content = ""   # a turn of function calls only
         if not isinstance(role, str) or role.lower() not in ROLE_ALIASES or not isinstance(content, str):
             raise ValueError(f"turn {j}: expected {{from/role, value/content}} with a known role, got {turn!r:.120}")
         role = ROLE_ALIASES[role.lower()]
         if role == "system" and out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": content}
             continue
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance((c.get("function") or c).get("name"), str) for c in calls):
+                raise ValueError(f"turn {j}: tool_calls belong to an assistant turn, as a list of "
+                                 f"{{function: {{name, arguments}}}}; got {calls!r:.120}")
+            msg["tool_calls"] = [c if "function" in c else {"type": "function", "function": c} for c in calls]
+        if role == "tool" and isinstance(turn.get("name"), str):
+            msg["name"] = turn["name"]
+        out.append(msg)
     if not any(m["role"] == "assistant" for m in out):
         raise ValueError("conversation has no assistant turn (nothing to train on)")
     return out
+
+
+def record_tools(record: dict[str, Any]) -> list[dict] | None:
+    """A record's function schemas (`tools`: a list, or its JSON text as some datasets store it)."""
+    tools = record.get("tools")
+    if isinstance(tools, str) and tools.strip():
+        tools = json.loads(tools)
+    if tools and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"record 'tools' must be a list of function schemas, got {tools!r:.120}")
+    return tools or None
 
 
 def read_records(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -148,8 +177,10 @@ def conversation_pieces(tokenizer, messages: list[dict[str, str]],
         pieces.append((prefix[len(done):], 0, False))
         span, content = full[len(prefix):], msg["content"]
         k = span.find(content) if content else -1
-        if k < 0:  # the template changed the text: train on the whole span
-            pieces.append((span, 1, False))
+        if k < 0:  # function calls only, or the template changed the text: train on the span up to its EOS
+            j = span.find(eos) if eos else -1
+            cut = j + len(eos) if j >= 0 else len(span)
+            pieces += [(span[:cut], 1, False), (span[cut:], 0, False)]
         else:
             pieces.append((span[:k], 1, False))
             pieces += [(text, m, m == 0) for text, m in split_assistant(content)]
@@ -162,13 +193,17 @@ def conversation_pieces(tokenizer, messages: list[dict[str, str]],
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length: int | None = None,
-                          truncation: str = "error", template_kwargs: dict | None = None) -> dict[str, list[int]] | None:
-    """{"input_ids", "loss_mask"} (loss_mask[t] = 1: token t is a training target).
+                          truncation: str = "error", template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> dict[str, list[int]] | None:
+    """{"input_ids", "loss_mask"} (loss_mask[t] = 1: token t is a training target). `tools`: the
+    record's function schemas, rendered into the prompt by the template.
 
     truncation when longer than max_length: "error" raises, "right" keeps the first max_length
     tokens, "skip" returns None."""
     ids: list[int] = []
     mask: list[int] = []
+    if tools:
+        template_kwargs = {**dict(template_kwargs or {}), "tools": tools}
     for text, trainable, tool in conversation_pieces(tokenizer, messages, template_kwargs):
         piece = _encode(tokenizer, text, tool_output=tool)
         ids += piece
