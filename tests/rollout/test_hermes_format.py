@@ -14,6 +14,7 @@ from scripted import EchoTool, ScriptedEngine, Turn, make_executor
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.utils.job_config import ROLLOUT_MODES
 from verl_arpo.utils.rollout_dump import dump_rollout, read_dump
+from verl_arpo.utils.rollout_tree import render_html, tree_layout
 from verl_arpo.workers.rollout import build_agent_loop
 from verl_arpo.workers.rollout.tool_formats import HermesFormat
 from verl_arpo.workers.rollout.tools.registry import ToolBuildError, ToolExecutor, build_tools
@@ -166,6 +167,19 @@ def test_the_dump_keeps_function_names_and_arguments(tiny_tokenizer, tmp_path):
     (rec,) = read_dump(dump_rollout(out, tok, step=1, out_dir=tmp_path))
     (c,) = rec["tool_calls"]
     assert (c["name"], c["arguments"], c["result"]) == ("search", {"query": "Veltmoor"}, "ran:Veltmoor")
+    page = render_html([rec])
+    assert "search()" in page and 'search({&quot;query&quot;: &quot;Veltmoor&quot;})' in page   # node label, hover
+
+
+def test_the_viewer_puts_a_turns_calls_on_its_round(tiny_tokenizer, tmp_path):
+    tok = tiny_tokenizer
+    ex = make_executor(3)
+    script = lambda req, k: Turn(call("python", code="1") + call("search", query="q") if k == 0  # noqa: E731
+                                 else "<answer> a </answer>")
+    out = loop(tok, script, ex)[0].generate_sequences(prompts(tok, ex, ["q"]))
+    (rec,) = read_dump(dump_rollout(out, tok, step=1, out_dir=tmp_path))
+    nodes, _ = tree_layout([rec])
+    assert [(n["round"], n["tool"]) for n in nodes] == [(0, "python() search()"), (1, None)]
 
 
 def test_a_sanity_check_mismatch_is_a_metric_and_a_warning(tiny_tokenizer, caplog):

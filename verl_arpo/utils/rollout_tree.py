@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 from pathlib import Path
 
 from verl_arpo.utils.rollout_dump import read_dump
@@ -41,16 +42,18 @@ def tree_layout(records: list[dict]) -> tuple[list[dict], list[tuple[tuple, tupl
         first = int(r.get("branch_round", -1)) + 1 if r.get("parent_id") in by_id else 0
         entropies = r.get("round_entropies") or [None]
         last = max(first, len(entropies) - 1)
-        calls = r.get("tool_calls") or []
+        by_round: dict[int, list[dict]] = {}
+        for j, c in enumerate(r.get("tool_calls") or []):   # older dumps: one call per round, no "round"
+            by_round.setdefault(int(c.get("round", j)), []).append(c)
         for k in range(first, last + 1):
-            call = calls[k] if k < len(calls) else None
+            calls = by_round.get(k, [])
             draws = [d for d in r.get("branch_decisions") or [] if d.get("round") == k]
             nodes.append({
                 "draws": draws,
                 "key": (r["traj_id"], k), "round": k, "lane": lane,
                 "entropy": entropies[k] if k < len(entropies) else None,
-                "tool": call["tag"] if call else None,
-                "tip": f"{call['content'][:300]}\n→ {call['result'][:300]}" if call else "",
+                "tool": " ".join(_call_label(c) for c in calls) or None,
+                "tip": "\n".join(f"{_call_text(c)[:300]}\n→ {c['result'][:300]}" for c in calls),
                 "reward": r.get("reward") if k == last else None,
                 "traj_id": r["traj_id"],
             })
@@ -59,6 +62,18 @@ def tree_layout(records: list[dict]) -> tuple[list[dict], list[tuple[tuple, tupl
         if first > 0:
             edges.append(((r["parent_id"], first - 1), (r["traj_id"], first)))
     return nodes, edges
+
+
+def _call_label(call: dict) -> str:
+    """`<python>` for a tag call, `add()` for a function call (the hermes format)."""
+    return f"{call['name']}()" if "name" in call else f"<{call['tag']}>"
+
+
+def _call_text(call: dict) -> str:
+    """What the model asked: the tag's content, or name(arguments) of a function call."""
+    if "name" in call:
+        return f"{call['name']}({json.dumps(call.get('arguments', {}), ensure_ascii=False)})"
+    return call["content"]
 
 
 def render_html(records: list[dict], title: str = "") -> str:
@@ -76,7 +91,7 @@ def render_html(records: list[dict], title: str = "") -> str:
         x, y = pos[n["key"]]
         color = "#cfe8cf" if (n["reward"] or 0) > 0 else ("#f4d4d4" if n["reward"] is not None else "#e8eef8")
         h = "?" if n["entropy"] is None else f"{n['entropy']:.3f}"
-        line2 = f"<{n['tool']}>" if n["tool"] else ("end" if n["reward"] is not None else "")
+        line2 = n["tool"] if n["tool"] else ("end" if n["reward"] is not None else "")
         if n["reward"] is not None:
             line2 += f"  R={n['reward']:.2f}"
         if n["draws"]:
