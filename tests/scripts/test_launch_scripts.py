@@ -127,3 +127,29 @@ def test_gpu_script_trains_two_steps_with_vllm_in_two_ranks(tiny_model_dir, tmp_
                SEARCH_CACHE_PATH=str(tmp_path / "search_cache.sqlite"), **CPU_SIZES)
     out = _run("ARPO_7B_Reasoning_1node.sh", env, save, [*CPU_OVERRIDES, "actor_rollout_ref.rollout.enforce_eager=True"])
     assert "rank 0 on" in out and "rank 1 on" in out
+
+
+def test_hermes_mcp_script_composes_and_trains_two_steps(tiny_model_dir, tmp_path):
+    """The function-calling example: its config says hermes with the Python tool and one MCP server
+    (`--cfg job`), and it trains 2 steps on CPU with the test's stdio MCP server."""
+    from omegaconf import OmegaConf
+
+    save = tmp_path / "save"
+    server = ROOT / "tests" / "tools" / "fixtures" / "mcp_calc_server.py"
+    env = _env(ACTOR_MODEL_PATH=str(tiny_model_dir), SAVE_PATH=str(save), TRAIN_FILES=str(DATA / "train.parquet"),
+               VALID_FILES=str(DATA / "valid.parquet"), ROLLOUT_NAME="hf",
+               MCP_SERVER_COMMAND=f"[{sys.executable},{server}]", MCP_TOOLS="[add,echo]",
+               **{**CPU_SIZES, "MAX_PROMPT_LENGTH": "1024"})
+    script = "ARPO_Qwen3_8B_Hermes_MCP.sh"
+    cfg = subprocess.run(["bash", str(ROOT / "scripts" / script), *CPU_OVERRIDES, "--cfg", "job"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert cfg.returncode == 0, cfg.stderr[-3000:]
+    r = OmegaConf.create(cfg.stdout).actor_rollout_ref.rollout
+    assert r.multi_turn.format == "hermes" and sorted(r.tools.tool_instances) == ["mcp", "python"]
+    assert r.tools.tool_instances.mcp.params.tools == ["add", "echo"]
+    assert OmegaConf.create(cfg.stdout).data.apply_chat_template_kwargs == {"enable_thinking": True}
+    _run(script, env, save, CPU_OVERRIDES)
+    dump = (save / "rollout" / "rollout_1.jsonl").read_text()
+    assert '"name": "add"' not in dump or '"result"' in dump
+    prompt = json.loads(dump.splitlines()[0])["prompt"]
+    assert "<tools>" in prompt and '"name": "add"' in prompt and '"name": "echo"' in prompt   # the server's schemas
