@@ -117,3 +117,72 @@ def test_engine_weights_freed_during_update_and_refilled_by_sync(free_cache_engi
     metrics = trainer.train_step(2)
     assert "timing_s/gen" in metrics and not worker.engine.weights_discarded
     _engine_equals_actor(worker)
+
+
+def _toy_rows(tmp_path):
+    import pandas as pd
+
+    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": f"What is {i} + 3?"}],
+             "ability": "math", "reward_model": {"ground_truth": str(i + 3), "style": "rule"},
+             "extra_info": {"index": i, "split": "train"}} for i in range(6)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+
+
+def test_resume_loads_with_the_engine_asleep_and_refills_it(one_rank_env, tiny_model_dir, tmp_path):
+    """[issue 48] The checkpoint (the optimizer state's dummy AdamW step: ~4x the shard) loads while
+    the engine holds no weights; the sync after it leaves the engine equal to the loaded actor."""
+    _toy_rows(tmp_path)
+    trainer, worker = _trainer_and_worker(tiny_model_dir, tmp_path, tmp_path / "out", True)
+    trainer.train_step(1)
+    ckpt = tmp_path / "ckpt"
+    worker.save_checkpoint(str(ckpt), global_step=1)
+    saved = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+             for n, p in worker.actor_module.named_parameters()}
+    trainer.train_step(2)   # the actor and the engine move on
+    held = []
+    load = worker.checkpoint_manager.load_checkpoint
+
+    def spy(path):   # what the engine holds while the checkpoint loads
+        held.append(sum(p.numel() for p in worker.engine.model.parameters()))
+        return load(path)
+
+    worker.checkpoint_manager.load_checkpoint = spy
+    worker.load_checkpoint(str(ckpt))
+    assert held == [0]
+    for n, p in worker.actor_module.named_parameters():
+        assert torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p).detach(), saved[n]), n
+    _engine_equals_actor(worker)
+    assert "timing_s/gen" in trainer.train_step(3)   # and the next rollout runs on it
+
+
+def test_critic_hands_its_cached_blocks_back_after_each_phase(one_rank_env, tiny_model_dir, tmp_path, monkeypatch):
+    """[issue 48] The critic returns the device cache after computing values and after its update
+    (a no-op on the CPU: the call itself is what is checked), as the actor does before vLLM wakes."""
+    from hydra import compose, initialize_config_dir
+
+    import verl_arpo.workers.fsdp_workers as fw
+    from verl_arpo.protocol import DataProto
+    from verl_arpo.trainer.config import validate_config
+
+    _toy_rows(tmp_path)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = validate_config(compose(config_name="cpu_tiny", overrides=[
+            f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+            f"data.train_files={tmp_path}/train.parquet", "data.val_files=null", "algorithm.adv_estimator=gae",
+            "trainer.n_gpus_per_node=1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.rollout.initial_rollouts=null", "critic.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2"]))
+    critic = fw.CriticWorker(cfg.critic, cfg.derived)
+    critic.init_model(2)
+    calls = []
+    monkeypatch.setattr(fw, "release_device_cache", lambda device: calls.append(str(device)))
+    ids = torch.randint(3, 100, (2, 12))
+    mask = torch.ones_like(ids)
+    data = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": torch.arange(12).expand(2, 12), "responses": ids[:, 6:],
+                                        "response_mask": mask[:, 6:]})
+    values = critic.compute_values(data).batch["values"]
+    assert calls == ["cpu"] and values.shape == (2, 6)
+    data.batch["values"], data.batch["returns"] = values, torch.zeros_like(values)
+    critic.update_critic(data)
+    assert calls == ["cpu", "cpu"]

@@ -302,7 +302,18 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str):
-        self.checkpoint_manager.load_checkpoint(local_path)
+        """Resume: the engine sleeps through the load (free_cache_engine), as verl's does. Loading the
+        optimizer state runs a step of AdamW on dummy gradients, ~4x the parameter shard; beside an
+        awake vLLM (weights and KV cache) a 14B resume ran out of memory (issue 48). The sync after
+        the load refills the engine's weights; its KV cache wakes at the next rollout."""
+        if self.config.rollout.free_cache_engine:
+            self.engine.sleep()
+            if self.engine.discard_weights():   # vLLM's level-2 sleep has already freed them
+                release_host_memory()
+            release_device_cache(self.device)
+        with HOST_MEMORY.phase("resume"):
+            self.checkpoint_manager.load_checkpoint(local_path)
+        release_device_cache(self.device)
         self._sync_rollout_weights()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -374,6 +385,9 @@ class CriticWorker(Worker, _FSDPModelMixin):
         data, shares = gather_group_data(data, self.sp)
         values = self.critic.compute_values(data)
         maybe_reshard(self.critic_module)
+        # its cached blocks go back to the driver: vLLM's KV cache wakes outside torch's allocator at the
+        # next rollout, and a critic that kept its peak reserved starved it at >= 7B (issue 48)
+        release_device_cache(self.device)
         return local_rows(DataProto.from_dict(tensors={"values": values}), shares, self.sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -381,10 +395,13 @@ class CriticWorker(Worker, _FSDPModelMixin):
         data, _ = gather_group_data(data, self.sp)
         metrics = self.critic.update_critic(data)
         release_host_memory()
+        release_device_cache(self.device)   # as after compute_values
         self.lr_scheduler.step()
         metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str):
-        self.checkpoint_manager.load_checkpoint(local_path)
+        with HOST_MEMORY.phase("resume"):
+            self.checkpoint_manager.load_checkpoint(local_path)
+        release_device_cache(self.device)
