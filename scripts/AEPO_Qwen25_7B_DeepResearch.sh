@@ -70,7 +70,8 @@ ENABLE_ENTROPY_BALANCED_CLIPPING="${ENABLE_ENTROPY_BALANCED_CLIPPING:-True}"    
 ENABLE_ENTROPY_BALANCED_ADVANTAGE="${ENABLE_ENTROPY_BALANCED_ADVANTAGE:-True}"    # entropy-aware advantage
 
 # ============================ Rollout Tools Configuration ==========================
-SEARCH_CACHE_PATH="${SEARCH_CACHE_PATH:-${PARENT_DIR}/search_cache/search_cache.json}"
+# node-local disk: SQLite on NFS (a checkout often is) corrupts; point it at a shared local path to keep it
+SEARCH_CACHE_PATH="${SEARCH_CACHE_PATH:-${TMPDIR:-/tmp}/verl_arpo/search_cache.sqlite}"
 SEARCH_CLASS_PATH="${SEARCH_CLASS_PATH:-verl_arpo.workers.rollout.tools.search_tool.BingSearchTool}"  # needs BRIGHTDATA_API_KEY / BRIGHTDATA_ZONE
 
 # ============================ Reward Configuration ==========================
@@ -81,6 +82,7 @@ CUSTOM_REWARD_FUNCTION_NAME="compute_score"
 # ============================ Training Configuration ============================
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
 SAVE_FREQ="${SAVE_FREQ:-5}"
+MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"   # a save holds the model and its optimizer state (91-177 GB at 14B): keep the latest two
 TEST_FREQ="${TEST_FREQ:-5}"
 
 # ============================ Path Configuration ============================
@@ -157,6 +159,7 @@ set -o pipefail
     trainer.save_freq=${SAVE_FREQ} \
     trainer.test_freq=${TEST_FREQ} \
     trainer.total_epochs=${TOTAL_EPOCHS} \
+    trainer.max_actor_ckpt_to_keep=${MAX_CKPT_TO_KEEP} \
     trainer.default_local_dir="${SAVE_PATH}" \
     trainer.val_before_train=False \
     trainer.rollout_data_dir="${ROLLOUT_SAVE_PATH}" \

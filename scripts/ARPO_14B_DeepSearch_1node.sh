@@ -64,7 +64,8 @@ Entropy_weight=0.2
 ENABLE_MULTI_TURN=True
 
 # ============================ Rollout Tools Configuration ==========================
-SEARCH_CACHE_PATH="${SEARCH_CACHE_PATH:-${PARENT_DIR}/search_cache/search_cache.json}"
+# node-local disk: SQLite on NFS (a checkout often is) corrupts; point it at a shared local path to keep it
+SEARCH_CACHE_PATH="${SEARCH_CACHE_PATH:-${TMPDIR:-/tmp}/verl_arpo/search_cache.sqlite}"
 SEARCH_CLASS_PATH="${SEARCH_CLASS_PATH:-verl_arpo.workers.rollout.tools.search_tool.BingSearchTool}"  # needs BRIGHTDATA_API_KEY / BRIGHTDATA_ZONE
 
 # ============================ Reward Configuration ==========================
@@ -75,6 +76,7 @@ CUSTOM_REWARD_FUNCTION_NAME="compute_score"
 # ============================ Training Configuration ============================
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-5}"
 SAVE_FREQ="${SAVE_FREQ:-5}"
+MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"   # a save holds the model and its optimizer state (91-177 GB at 14B): keep the latest two
 TEST_FREQ="${TEST_FREQ:-5}"
 
 # ============================ Path Configuration ============================
@@ -119,12 +121,12 @@ set -o pipefail
     actor_rollout_ref.actor.kl_loss_coef=0.0 \
     actor_rollout_ref.actor.kl_loss_type=low_var_kl \
     actor_rollout_ref.actor.fsdp_config.param_offload=False \
-    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True \
     actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$((4*(MAX_PROMPT_LENGTH+MAX_RESPONSE_LENGTH))) \
     actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
     actor_rollout_ref.rollout.name=${ROLLOUT_NAME} \
     actor_rollout_ref.rollout.mode=${ROLLOUT_MODE} \
-    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.75 \
     actor_rollout_ref.rollout.n=${ROLLOUT_N} \
     actor_rollout_ref.rollout.initial_rollouts=${INITIAL_ROLLOUTS} \
     actor_rollout_ref.rollout.beam_size=${BEAM_SIZE} \
@@ -147,6 +149,7 @@ set -o pipefail
     trainer.save_freq=${SAVE_FREQ} \
     trainer.test_freq=${TEST_FREQ} \
     trainer.total_epochs=${TOTAL_EPOCHS} \
+    trainer.max_actor_ckpt_to_keep=${MAX_CKPT_TO_KEEP} \
     trainer.default_local_dir="${SAVE_PATH}" \
     trainer.val_before_train=False \
     trainer.rollout_data_dir="${ROLLOUT_SAVE_PATH}" \

@@ -49,6 +49,7 @@ MCP_TOOLS="${MCP_TOOLS:-null}"        # an allow-list of the server's functions,
 
 TOTAL_EPOCHS="${TOTAL_EPOCHS:-2}"
 SAVE_FREQ="${SAVE_FREQ:-5}"
+MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-2}"   # each save holds the model and its optimizer state
 TEST_FREQ="${TEST_FREQ:-5}"
 SAVE_PATH="${SAVE_PATH:-<your_checkpoint_save_dir>/${EXPERIMENT_NAME}}"
 LOGGER="${LOGGER:-[console]}"
@@ -105,6 +106,7 @@ set -o pipefail
     trainer.save_freq=${SAVE_FREQ} \
     trainer.test_freq=${TEST_FREQ} \
     trainer.total_epochs=${TOTAL_EPOCHS} \
+    trainer.max_actor_ckpt_to_keep=${MAX_CKPT_TO_KEEP} \
     trainer.default_local_dir="${SAVE_PATH}" \
     trainer.val_before_train=False \
     trainer.rollout_data_dir="${SAVE_PATH}/rollout" \

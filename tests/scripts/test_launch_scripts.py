@@ -153,3 +153,24 @@ def test_hermes_mcp_script_composes_and_trains_two_steps(tiny_model_dir, tmp_pat
     assert '"name": "add"' not in dump or '"result"' in dump
     prompt = json.loads(dump.splitlines()[0])["prompt"]
     assert "<tools>" in prompt and '"name": "add"' in prompt and '"name": "echo"' in prompt   # the server's schemas
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_gpu_scripts_defaults_fit_a_cluster(script, tmp_path):
+    """[issue 48] The search cache defaults to node-local disk (not the checkout, often NFS, where
+    SQLite's WAL corrupts), two checkpoints are kept (a 14B save is 91-177 GB), and the 14B scripts
+    offload the optimizer during the rollout and give vLLM 0.75 of the GPU (its KV cache doubles)."""
+    from omegaconf import OmegaConf
+
+    env = _env(ACTOR_MODEL_PATH=str(tmp_path / "m"), SAVE_PATH=str(tmp_path / "save"), TMPDIR=str(tmp_path / "local"))
+    env.pop("SEARCH_CACHE_PATH", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script), "--cfg", "job"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    cfg = OmegaConf.create(proc.stdout)
+    cache = cfg.actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file
+    assert cache == str(tmp_path / "local" / "verl_arpo" / "search_cache.sqlite") and not cache.startswith(str(ROOT))
+    assert cfg.trainer.max_actor_ckpt_to_keep == 2
+    big = "14B" in script
+    assert cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload is big
+    assert cfg.actor_rollout_ref.rollout.gpu_memory_utilization == (0.75 if big else 0.7)

@@ -207,3 +207,33 @@ def test_processes_creating_one_new_cache_at_once_all_succeed(tmp_path):
         for p in procs:
             p.join(60)
         assert [results.get(timeout=5) for _ in procs] == ["ok"] * 4, trial
+
+
+def test_a_cache_on_a_network_filesystem_uses_the_rollback_journal(tmp_path, monkeypatch, caplog):
+    """[issue 48] WAL needs shared memory a network filesystem does not share: there the cache warns and
+    journals with file locks instead; a local disk keeps WAL."""
+    import sqlite3
+
+    from verl_arpo.workers.rollout.tools import cache as cache_mod
+
+    mounts = ("/dev/sda1 / ext4 rw 0 0\nserver:/export /mnt/shared nfs4 rw 0 0\n"
+              "tmpfs /mnt/shared/local tmpfs rw 0 0\nserver:/home /home/my\\040user nfs rw 0 0\n")
+    assert cache_mod.network_filesystem("/mnt/shared/ckpt/cache.sqlite", mounts) == "nfs4"
+    assert cache_mod.network_filesystem("/mnt/shared/local/cache.sqlite", mounts) is None   # the longest mount wins
+    assert cache_mod.network_filesystem("/mnt/sharedx/cache.sqlite", mounts) is None
+    assert cache_mod.network_filesystem("/home/my user/c.sqlite", mounts) == "nfs"
+
+    local = cache_mod.SearchCache(tmp_path / "local" / "c.sqlite")
+    local.put("q", "a")
+    local.close()
+    with sqlite3.connect(tmp_path / "local" / "c.sqlite") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    monkeypatch.setattr(cache_mod, "network_filesystem", lambda path, mounts=None: "nfs4")
+    with caplog.at_level("WARNING"):
+        remote = cache_mod.SearchCache(tmp_path / "remote" / "c.sqlite")
+    remote.put("q", "a")
+    assert remote.get("q") == "a"
+    remote.close()
+    assert "network filesystem (nfs4)" in caplog.text
+    with sqlite3.connect(tmp_path / "remote" / "c.sqlite") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"

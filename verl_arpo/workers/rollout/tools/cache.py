@@ -18,6 +18,9 @@ Here the cache is one SQLite table in WAL mode:
 - ``synchronous=NORMAL``: a committed entry survives a process crash; an OS crash / power loss may
   drop the last few entries but never corrupts the file. That is the right trade for a cache.
 - SQLite WAL needs a local filesystem (not NFS) because it uses shared memory between processes.
+  On a network filesystem (`network_filesystem`: nfs, cifs, lustre, ... from /proc/mounts) the
+  cache warns once and uses SQLite's rollback journal instead (file locks, no shared memory): WAL
+  there corrupted the file (issue 48). The launch scripts default to node-local /tmp.
 
 Compatibility: a ``cache_file`` ending in ``.json`` means "the reference's file": we use a
 sibling ``.sqlite`` database, and a tool that answers as the reference's Bing tool did
@@ -81,6 +84,31 @@ def _rollback(conn: sqlite3.Connection) -> None:
         conn.execute("ROLLBACK")
 
 
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs",
+                       "9p", "afs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "virtiofs")
+
+
+def network_filesystem(path: str | Path, mounts: str | None = None) -> str | None:
+    """The filesystem type of `path` when it is a network one (SQLite's WAL needs shared memory that
+    a network filesystem does not share), else None. `mounts`: the text of /proc/mounts."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return None
+    target = str(Path(path).resolve())
+    best, kind = "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind if kind in NETWORK_FILESYSTEMS else None
+
+
 class SearchCache:
     """Query -> formatted result store. Thread-safe; safe to use from many processes at once."""
 
@@ -90,6 +118,12 @@ class SearchCache:
         self.namespace = str(namespace)
         self._prefix = f"{self.namespace}\x1f" if self.namespace else ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.journal = "wal"
+        if (fs := network_filesystem(self.path.parent)) is not None:
+            self.journal = "delete"
+            logger.warning("search cache %s is on a network filesystem (%s): SQLite's WAL would corrupt it there, so "
+                           "the rollback journal is used (slower with many writers); put the cache on a local disk "
+                           "(actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file)", self.path, fs)
         self.async_write = async_write
         self._stats_lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "writes": 0}
@@ -122,8 +156,8 @@ class SearchCache:
         while True:
             try:
                 with self._conn() as conn:
-                    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                        conn.execute("PRAGMA journal_mode=WAL")
+                    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != self.journal:
+                        conn.execute(f"PRAGMA journal_mode={self.journal.upper()}")
                     conn.executescript(_SCHEMA)
                 return
             except sqlite3.OperationalError as exc:
