@@ -134,3 +134,38 @@ def test_reference_in_bf16_and_the_updates_cached_peak():
     assert bf16["rollout"]["total"] <= 80 * me.GIB < bf16["rollout"]["total"] + cached
     text = me.render(m, me.JobShape(**base), bf16, 80 * me.GIB)
     assert "without emptying the cache before the wake" in text and "does NOT fit; the worker empties it" in text
+
+
+def test_resume_critic_runtime_and_the_kv_capacity():
+    """[issue 48] The terms the estimate lacked: a resume phase (engine asleep; the optimizer load's
+    dummy step needs gradients and moments beside the shard: 4x the fp32 shard), the critic's state
+    under GAE, CUDA/NCCL's own memory, the root unit's unsharded gradient, and vLLM's KV tokens."""
+    m = me.model_shape("qwen3-14b")
+    base = dict(world=8, train_tokens=16384, logprob_tokens=32768, response_fraction=0.75, param_offload=False,
+                optimizer_offload=False, gradient_checkpointing=True, engine="vllm", gpu_memory_utilization=0.6,
+                free_cache_engine=True, need_ref=False, ref_param_offload=True)
+    gpu = 80 * me.GIB
+    t = me.estimate(m, me.JobShape(**base), gpu)
+    r = t["resume"]
+    assert r["engine"] == 0 and r["actor_params"] + r["gradients"] + r["adam_moments"] == 16 * m.params / 8
+    assert all(p["runtime"] == 2.5 * me.GIB for p in t.values())
+    assert t["update"]["gradients"] == 4 * m.params / 8 + 4 * m.layer_params + 4 * m.root_params
+    assert "critic_update" not in t
+    gae = me.estimate(m, me.JobShape(**base, need_critic=True, critic_train_tokens=8192), gpu)
+    assert gae["rollout"]["critic_params"] == 12 * m.params / 8                 # shard + moments, on the GPU
+    c = gae["critic_update"]
+    assert c["critic_params"] == 4 * m.params / 8 and c["critic_moments"] == 8 * m.params / 8
+    assert gae["rollout"]["total"] - t["rollout"]["total"] == 12 * m.params / 8
+    # KV: (0.6 x 80 GiB - bf16 weights - 2 GiB) / (2 x 40 layers x 1024 x 2 bytes) at Qwen3-14B
+    kv = me.kv_tokens_per_gpu(m, me.JobShape(**base), gpu)
+    assert me.kv_bytes_per_token(m) == 2 * 40 * 8 * 128 * 2
+    assert kv == int((0.6 * gpu - 2 * m.params - 2 * me.GIB) // (2 * 40 * 1024 * 2))
+    more = me.kv_tokens_per_gpu(m, me.JobShape(**{**base, "gpu_memory_utilization": 0.75}), gpu)
+    assert more > 1.6 * kv   # the 14B scripts' 0.75 (the optimizer offloaded to make room): 121k -> 200k tokens
+    assert f"{kv:,} tokens per GPU" in me.render(m, me.JobShape(**base), t, gpu)
+
+
+def test_the_14b_script_fits_at_its_new_defaults():
+    """The 14B script's own config (optimizer offload, 0.75): every phase fits an 80 GiB GPU."""
+    table = me.main(["--script", str(ROOT / "scripts" / "ARPO_14B_DeepSearch_1node.sh"), "--model", "qwen3-14b"])
+    assert max(p["total"] for p in table.values()) <= 80 * me.GIB, {k: v["total"] / me.GIB for k, v in table.items()}

@@ -15,6 +15,17 @@ public architecture numbers, no download). Phases, each with its own resident se
   log_prob     engine asleep; the actor's no-grad forward over log_prob_max_token_len_per_gpu tokens
   update       engine asleep; forward + backward over ppo_max_token_len_per_gpu tokens, then AdamW
   weight_sync  the engine's weights awake + the actor's shard + one gathered parameter
+  resume       engine asleep (the worker sleeps it for the load); loading the optimizer state runs
+               an AdamW step on dummy gradients: shard + gradients + both moments, 4x the fp32 shard
+  critic_update  (GAE) the critic's forward + backward + AdamW beside the actor's resident state
+
+Every phase also counts the CUDA context and NCCL's buffers (`runtime`, ~2.5 GiB a GPU, outside
+PyTorch's allocator: 2-3.5 GiB measured on H100/H200) and, under GAE, the critic's resident state
+(same architecture as the actor, its own shard and moments). The update counts the root unit's
+unsharded gradient (embeddings + lm_head, fp32 until its reduce-scatter at the end of the backward).
+With vLLM the table also gives the KV cache's token capacity per GPU: what
+gpu_memory_utilization leaves after the engine's weights and its activation reserve, over the KV
+bytes of one token (2 x layers x kv_dim x 2 bytes).
 
 The rules are the ones this code base follows: FSDP2 shards fp32 parameters, gradients and both
 AdamW moments over the world (param_offload keeps all three on the host, optimizer_offload the
@@ -100,6 +111,10 @@ class JobShape:
     dtype_bytes: int = 2        # compute dtype: bf16 on CUDA
     ref_bytes: int = 2          # bytes per reference parameter (fsdp_config.model_dtype; null: bf16 on CUDA)
     logprob_chunk: int = 2048
+    need_critic: bool = False
+    critic_param_offload: bool = False
+    critic_optimizer_offload: bool = False
+    critic_train_tokens: int = 0   # tokens per GPU of a critic update micro-batch
 
 
 def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
@@ -122,7 +137,10 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
                     engine=str(r.name), gpu_memory_utilization=float(r.gpu_memory_utilization),
                     free_cache_engine=bool(r.free_cache_engine), need_ref=need_ref,
                     ref_param_offload=bool(c.actor_rollout_ref.ref.fsdp_config.param_offload), dtype_bytes=dtype_bytes,
-                    ref_bytes=_ref_bytes(c.actor_rollout_ref.ref.fsdp_config.model_dtype, dtype_bytes))
+                    ref_bytes=_ref_bytes(c.actor_rollout_ref.ref.fsdp_config.model_dtype, dtype_bytes),
+                    need_critic=d.need_critic, critic_param_offload=bool(c.critic.model.fsdp_config.param_offload),
+                    critic_optimizer_offload=bool(c.critic.model.fsdp_config.optimizer_offload),
+                    critic_train_tokens=tokens(d.critic_update) // d.critic_sp)
 
 
 def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
@@ -132,6 +150,24 @@ def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
 
     name = resolve_model_dtype(model_dtype, trained=False, device_type="cuda" if dtype_bytes == 2 else "cpu")
     return 2 if name == "bfloat16" else 4
+
+
+RUNTIME_BYTES = 2.5 * GIB
+"""The CUDA context and NCCL's communicator buffers per GPU, outside PyTorch's allocator (2-3.5 GiB)."""
+VLLM_ACTIVATION_BYTES = 2 * GIB
+"""What vLLM keeps of its budget for its own forward's activations and sampler (its profiling run)."""
+
+
+def kv_bytes_per_token(m: ModelShape, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token: 2 x layers x kv_dim x bytes."""
+    return 2 * m.layers * m.kv_dim * dtype_bytes
+
+
+def kv_tokens_per_gpu(m: ModelShape, j: JobShape, gpu_bytes: int) -> int:
+    """Tokens of KV cache a vLLM engine holds (tensor parallel 1): its budget
+    (gpu_memory_utilization x the GPU) less its bf16 weights and activation reserve."""
+    free = j.gpu_memory_utilization * gpu_bytes - 2 * m.params - VLLM_ACTIVATION_BYTES
+    return max(0, int(free // kv_bytes_per_token(m)))
 
 
 def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, float]]:
@@ -161,6 +197,11 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
     else:
         engine_awake = engine_weights = b * m.params                            # HF engine: its own copy (+ KV)
     engine_asleep = 0 if j.free_cache_engine else engine_awake
+    runtime = RUNTIME_BYTES if b == 2 else 0                                    # CUDA only (bf16 compute)
+    root_grad = 4 * m.root_params                                              # unsharded until the backward ends
+    critic_shard = 0 if not j.need_critic or j.critic_param_offload else 4 * m.params / W
+    critic_moments = 0 if not j.need_critic or j.critic_param_offload else 8 * m.params / W
+    critic_resident = critic_shard + (0 if j.critic_optimizer_offload else critic_moments)
     phases = {
         "rollout": dict(actor_params=shard, adam_moments=resident_moments, ref_params=ref, engine=engine_awake),
         "log_prob": dict(actor_params=shard, adam_moments=resident_moments, ref_params=ref, gathered_units=gathered,
@@ -171,7 +212,23 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
                        logits=logits(T, grad=True), engine=engine_asleep),
         "weight_sync": dict(actor_params=shard, adam_moments=resident_moments, ref_params=ref,
                             engine=engine_weights, gathered_param=b * m.largest_param),
+        "resume": dict(actor_params=shard, adam_moments=moments, gradients=grads, ref_params=ref,
+                       engine=engine_asleep),
     }
+    phases["update"]["gradients"] += root_grad
+    if j.need_critic:
+        Tc = j.critic_train_tokens or T
+        csaved = b * Tc * m.hidden * m.layers if j.gradient_checkpointing else layer_working_set(Tc) * m.layers
+        phases["critic_update"] = dict(
+            actor_params=shard, adam_moments=resident_moments, ref_params=ref, critic_params=critic_shard,
+            critic_moments=critic_moments, critic_gradients=(0 if j.critic_param_offload else 4 * m.params / W)
+            + 4 * m.layer_params, gathered_units=gathered, activations=csaved + layer_working_set(Tc),
+            engine=engine_asleep)
+        for name, parts in phases.items():
+            if name != "critic_update":
+                parts["critic_params"] = critic_resident
+    for parts in phases.values():
+        parts["runtime"] = runtime
     return {name: {**parts, "total": sum(parts.values())} for name, parts in phases.items()}
 
 
@@ -199,6 +256,10 @@ def render(m: ModelShape, j: JobShape, table: dict, gpu_bytes: int) -> str:
     lines.append(f"peak: {worst} at {table[worst]['total'] / GIB:.1f} GiB of {gpu_bytes / GIB:.0f} GiB — "
                  f"{'fits' if fits else 'does NOT fit'}")
     if j.engine == "vllm":
+        lines.append(f"vLLM KV cache: {kv_tokens_per_gpu(m, j, gpu_bytes):,} tokens per GPU "
+                     f"({kv_bytes_per_token(m) / 1024:.0f} KiB a token; gpu_memory_utilization "
+                     f"{j.gpu_memory_utilization} of {gpu_bytes / GIB:.0f} GiB, less the weights and "
+                     f"{VLLM_ACTIVATION_BYTES / GIB:.0f} GiB of activations)")
         cached = cached_after_update(table)
         for phase in ("weight_sync", "rollout"):
             kept = table[phase]["total"] + cached
