@@ -222,6 +222,22 @@ def main(argv=None) -> dict:
         "slow_mcp_s_per_token_sync_over_async": (slow_m["hermes/sync_with_tool"]["s_per_token"]
                                                  / slow_m["hermes/async_with_tool"]["s_per_token"]),
     }
+    from bench_common import summary_entry
+
+    r = report["ratios"]
+    report["summary"] = [
+        summary_entry("loop seconds per tool call on scripted turns, tags / hermes (the format's own cost)",
+                      s["hermes"]["s_per_call"], s["tags"]["s_per_call"], 1 / r["scripted_s_per_call_hermes_over_tags"],
+                      None),
+        summary_entry("generated tokens/s, hermes / tags (tiny tool model of each format, HF engine)",
+                      m["hermes/sync_with_tool"]["tokens_per_s"], m["tags/sync_with_tool"]["tokens_per_s"],
+                      r["tokens_per_s_hermes_over_tags"], 0.9),
+        summary_entry("tool call latency, direct / MCP over stdio (median ms)", report["mcp_latency"]["mcp"]["median_ms"],
+                      report["mcp_latency"]["direct"]["median_ms"], 1 / r["mcp_over_direct_latency"], None),
+        summary_entry(f"rollout s per generated token with a {a.latency:g} s MCP server, sync / async",
+                      slow_m["hermes/async_with_tool"]["s_per_token"], slow_m["hermes/sync_with_tool"]["s_per_token"],
+                      r["slow_mcp_s_per_token_sync_over_async"], 1.5),
+    ]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
     print(json.dumps(report["ratios"], indent=1))

@@ -84,6 +84,9 @@ run vllm_sampling benchmarks/bench_vllm_sampling.py --reps $([[ $QUICK == 1 ]] &
 # 8. Ulysses sequence parallelism: activation memory of one update at S = 2 against S = 1 (2 gloo ranks)
 run sequence_parallel benchmarks/bench_sequence_parallel.py $(q --quick)
 
+# 9. tool-call formats: hermes against tags, MCP against a direct tool, a slow MCP server under async rollout
+run tool_formats benchmarks/bench_tool_formats.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

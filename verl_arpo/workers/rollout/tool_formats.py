@@ -178,9 +178,10 @@ class HermesFormat:
     def _delta(self, tool_messages: list[dict], turn_end: str) -> str:
         """What the template writes after an assistant turn that ended with `turn_end` (its EOS
         text), up to and including the next generation prompt: the closing framing the model did
-        not generate (Qwen: "\\n"), the tool messages, `<|im_start|>assistant\\n`."""
+        not generate (Qwen: "\\n"), the tool messages, `<|im_start|>assistant\\n`. One render a
+        turn: the placeholder conversation's own render is the same every turn (`self._base`)."""
         base_msgs = [{"role": "user", "content": self._U}, {"role": "assistant", "content": self._A}]
-        base = self._render(base_msgs, False)
+        base = self._base
         full = self._render(base_msgs + tool_messages, True)
         tail = base[base.rindex(self._A) + len(self._A):]
         if turn_end and tail.startswith(turn_end):
@@ -192,7 +193,7 @@ class HermesFormat:
         same way with and without it), or no incremental rendering is token-exact."""
         base_msgs = [{"role": "user", "content": self._U}, {"role": "assistant", "content": self._A}]
         try:
-            base = self._render(base_msgs, False)
+            base = self._base = self._render(base_msgs, False)
             full = self._render(base_msgs + [{"role": "tool", "name": "f", "content": "R"}], True)
         except Exception as exc:  # noqa: BLE001 - a template error is the user's config
             raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format=hermes: the chat template cannot render "
