@@ -72,6 +72,15 @@ def _engine_equals_actor(worker) -> None:
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
+def _toy_rows(tmp_path):
+    import pandas as pd
+
+    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": f"What is {i} + 3?"}],
+             "ability": "math", "reward_model": {"ground_truth": str(i + 3), "style": "rule"},
+             "extra_info": {"index": i, "split": "train"}} for i in range(6)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+
+
 @pytest.fixture
 def one_rank_env(monkeypatch):
     port = find_free_port("127.0.0.1")
@@ -88,12 +97,7 @@ def one_rank_env(monkeypatch):
 @pytest.mark.parametrize("free_cache_engine", [True, False])
 def test_engine_weights_freed_during_update_and_refilled_by_sync(free_cache_engine, one_rank_env, tiny_model_dir,
                                                                   tmp_path):
-    import pandas as pd
-
-    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": f"What is {i} + 3?"}],
-             "ability": "math", "reward_model": {"ground_truth": str(i + 3), "style": "rule"},
-             "extra_info": {"index": i, "split": "train"}} for i in range(6)]
-    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    _toy_rows(tmp_path)
     trainer, worker = _trainer_and_worker(tiny_model_dir, tmp_path, tmp_path / "out", free_cache_engine)
     assert os.environ["WORLD_SIZE"] == "1"
     seen = []
@@ -117,15 +121,6 @@ def test_engine_weights_freed_during_update_and_refilled_by_sync(free_cache_engi
     metrics = trainer.train_step(2)
     assert "timing_s/gen" in metrics and not worker.engine.weights_discarded
     _engine_equals_actor(worker)
-
-
-def _toy_rows(tmp_path):
-    import pandas as pd
-
-    rows = [{"data_source": "arpo_toy_math", "prompt": [{"role": "user", "content": f"What is {i} + 3?"}],
-             "ability": "math", "reward_model": {"ground_truth": str(i + 3), "style": "rule"},
-             "extra_info": {"index": i, "split": "train"}} for i in range(6)]
-    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
 
 
 def test_resume_loads_with_the_engine_asleep_and_refills_it(one_rank_env, tiny_model_dir, tmp_path):
