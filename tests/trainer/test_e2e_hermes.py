@@ -64,7 +64,6 @@ def _expected_mask(ids: list[int], eos: int, gen_prompt: list[int]) -> list[int]
     return want
 
 
-@pytest.mark.slow
 def test_two_arpo_steps_in_the_hermes_format_with_an_mcp_tool(ray_local, hermes_model, tmp_path):
     from transformers import AutoTokenizer
 
