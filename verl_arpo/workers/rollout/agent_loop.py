@@ -136,6 +136,8 @@ class AgentLoop:
         self.engine, self.tokenizer, self.executor, self.cfg = engine, tokenizer, executor, config
         self.call_limit, self.seed = int(call_limit), int(seed)
         self.format = build_format(config.multi_turn.format, tokenizer, executor, chat_template_kwargs)
+        # the turns as chat messages are kept only for the sanity check that reads them
+        self._keep_messages = self.format.name == "hermes" and config.multi_turn.tokenization_sanity_check_mode == "strict"
         self.stop_strings = self.format.stop_strings()
         self.eos_id = tokenizer.eos_token_id
         self.engine_eos = set(getattr(engine, "eos_token_ids", None) or [self.eos_id])
@@ -206,7 +208,7 @@ class AgentLoop:
                 self._stats["rollout/duplicates"] += 1
         self.engine.release()
         self._stats["timing_s/rollout"] = time.time() - t0
-        if self.format.name == "hermes" and self.cfg.multi_turn.tokenization_sanity_check_mode == "strict":
+        if self._keep_messages:
             self._sanity_check(prompts, [t for g in groups for t in g])
         return self._to_dataproto(prompts, groups)
 
@@ -301,7 +303,7 @@ class AgentLoop:
         self._round_entropy[len(t.round_entropies) - 1].append(h)
         room = cfg.response_length - len(t.response_ids)
         calls = self.format.parse(out) if tools else None
-        if self.format.name == "hermes":
+        if self._keep_messages:
             self._record_turn(t, out)
         if calls is None:
             t.done, t.finish_reason = True, out.finish_reason
@@ -339,7 +341,7 @@ class AgentLoop:
             t.tool_calls.append({**c.record, "result": text, "round": r_idx,
                                  "seconds": r.seconds if r is not None else 0.0, "ok": bool(r is not None and r.ok),
                                  "infra": bool(r is not None and r.infra)})   # the service failed, not the model
-            if self.format.name == "hermes":
+            if self._keep_messages:
                 t.messages.append({"role": "tool", "name": c.name, "content": text, "round": r_idx})
         t.append(ids[:room], 0)
         if len(ids) >= room:

@@ -107,7 +107,7 @@ class HermesFormat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("actor_rollout_ref.rollout.multi_turn.format=hermes renders tool messages with the "
                              "tokenizer's chat template, and this tokenizer has none: set data.custom_chat_template")
-        self._framing = self._tool_framing_check()
+        self._tool_framing_check()   # also keeps the placeholder conversation's render (self._base)
         self.errors: dict[str, int] = {}
 
     def stop_strings(self) -> list[str]:
@@ -188,7 +188,7 @@ class HermesFormat:
             tail = tail[len(turn_end):]
         return tail + full[len(base):]
 
-    def _tool_framing_check(self) -> str:
+    def _tool_framing_check(self) -> None:
         """Config time: the template must *append* a tool message (render the earlier turns the
         same way with and without it), or no incremental rendering is token-exact."""
         base_msgs = [{"role": "user", "content": self._U}, {"role": "assistant", "content": self._A}]
@@ -203,7 +203,6 @@ class HermesFormat:
             raise ValueError("actor_rollout_ref.rollout.multi_turn.format=hermes: the chat template re-renders the "
                              "earlier turns when a tool message follows (or drops the tool message), so no "
                              "incremental rendering is token-exact; use a template that appends tool messages")
-        return full[len(base):]
 
     # -------------------------------------------------------------------------- the sanity check
     def full_render_ids(self, messages: list[dict]) -> list[int]:
