@@ -1,19 +1,23 @@
-"""HF engine levers on the quickstart's evaluation shape: decode attention and a shared prompt prefix.
+"""HF engine levers on the quickstart's evaluation shape: decode attention, a shared prompt prefix,
+a KV cache grown in place.
 
 Workload: the first `--prompts` questions of the bundled test split with their system prompt
 (chat template; ~118 of ~140 tokens are the same in every prompt), greedy, up to `--new_tokens`
-tokens each, all rows in one batch, SmolLM2-135M-Instruct (or `--model`) in bf16, one process with
-`--threads` torch threads. Cases, each in a fresh subprocess:
+tokens each, all rows in one batch, SmolLM2-135M-Instruct (or `--model`) in `--dtype` (auto: bf16
+where the CPU has native bf16, else fp32), one process with `--threads` torch threads. Cases, each in
+a fresh subprocess:
 
-1. sdpa attention, every prompt prefilled in full — the engine before (baseline);
+1. sdpa attention, every prompt prefilled in full, transformers' torch.cat cache (baseline);
 2. grouped decode attention (`decode_attention.py`), full prefill;
-3. grouped decode attention + the shared prefix encoded once — the engine now.
+3. grouped decode attention + the shared prefix encoded once;
+4. 3 + the decode batch's KV cache grown in place (`hf_cache.py`) — the engine now.
 
 Reports wall seconds of `generate`, generated tokens/s, prefilled tokens, peak RSS of the process,
-the ratio to case 1 in the same run, and how many rows produced exactly case 1's tokens (bf16
-rounding differs between kernels, so a few greedy rows may take another token).
+the ratio to the first case run in the same run, and how many rows produced exactly its tokens
+(rounding differs between attention kernels, so a few greedy rows may take another token; case 4
+computes case 3's numbers exactly, so it must match case 3 on every row).
 
-    python benchmarks/bench_engine_levers.py [--model DIR] [--quick]
+    python benchmarks/bench_engine_levers.py [--model DIR] [--quick] [--cases 3,4]
 """
 from __future__ import annotations
 
@@ -27,10 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CASES = [  # (label, attention, share_prefix)
-    ("sdpa, full prefill (before)", "sdpa", False),
-    ("grouped decode attention, full prefill", None, False),
-    ("grouped decode attention + shared prefix (now)", None, True),
+CASES = [  # (label, attention, share_prefix, KV grown in place)
+    ("sdpa, full prefill, torch.cat cache", "sdpa", False, False),
+    ("grouped decode attention, full prefill", None, False, False),
+    ("grouped decode attention + shared prefix", None, True, False),
+    ("+ KV cache grown in place (now)", None, True, True),
 ]
 
 
@@ -47,8 +52,9 @@ def child(spec: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"] for r in spec["rows"]]
-    eng = HFEngine(spec["model"], tok, dtype="bfloat16", attn_implementation=spec["attention"],
+    eng = HFEngine(spec["model"], tok, dtype=spec["dtype"], attn_implementation=spec["attention"],
                    max_batch_size=len(prompts), share_prefix=spec["share_prefix"])
+    eng.grow_kv_in_place = spec["in_place"]
     reqs = [GenRequest(str(i), p, int(spec["new_tokens"]), [], SamplingParams(greedy=True))
             for i, p in enumerate(prompts)]
     eng.generate(reqs[:2])   # warm-up (kernels, allocator)
@@ -75,6 +81,9 @@ def main(argv=None) -> None:
     p.add_argument("--new_tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 prompts, 24 tokens")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 where the CPU has native bf16, else float32")
+    p.add_argument("--cases", default="1,2,3,4", help="which cases (1-4), the first is the baseline")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_levers.json"))
     a = p.parse_args(argv)
     if a.quick:
@@ -84,25 +93,33 @@ def main(argv=None) -> None:
         from bench_common import smollm2_dir
 
         model = smollm2_dir()
+    if a.dtype == "auto":
+        from verl_arpo.utils.device import cpu_has_fast_bf16
+
+        a.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     rows = prompt_rows(a.prompts, ROOT / "rl_datasets" / "test.parquet")
     results = []
-    for label, attention, share in CASES:
+    for k in [int(c) for c in a.cases.split(",")]:
+        label, attention, share, in_place = CASES[k - 1]
         r = run_case(__file__, dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads,
-                                    attention=attention, share_prefix=share))
-        results.append({**r, "label": label})
+                                    attention=attention, share_prefix=share, in_place=in_place,
+                                    dtype=a.dtype))
+        results.append({**r, "label": f"{k}. {label}"})
     base = results[0]
     table = []
     for r in results:
         same = sum(t == b for t, b in zip(r["tokens"], base["tokens"]))
         table.append({"case": r["label"], "attention": r["attention"], "generate s": f"{r['wall_s']:.1f}",
                       "generated tok/s": f"{r['tok_per_s']:.0f}", "prefilled tokens": r["prefill_tokens"],
-                      "speed-up": f"{base['wall_s'] / r['wall_s']:.2f}x", "rows = case 1": f"{same}/{len(rows)}",
+                      "speed-up": f"{base['wall_s'] / r['wall_s']:.2f}x", "rows = first": f"{same}/{len(rows)}",
                       "peak RSS MiB": f"{r['peak_rss_mib']:.0f}"})
     print_table(table, list(table[0]), title=f"HF engine levers: {a.prompts} prompts x {a.new_tokens} tokens, "
-                                             f"bf16, {a.threads} threads, load {os.getloadavg()[0]:.1f}")
+                                             f"{a.dtype}, {a.threads} threads, load {os.getloadavg()[0]:.1f}")
     now = results[-1]
-    summary = [summary_entry("generate wall s, before / now (same run)", now["wall_s"], base["wall_s"],
-                             base["wall_s"] / now["wall_s"], None)]
+    summary = [summary_entry(f"generate wall s, {base['label'][:1]} / {now['label'][:1]} (same run)", now["wall_s"],
+                             base["wall_s"], base["wall_s"] / now["wall_s"], None)]
+    for r in results:
+        r["rows_equal_to_first"] = sum(t == b for t, b in zip(r["tokens"], base["tokens"]))
     for r in results:
         r.pop("tokens")
     write_json(a.out, dict(benchmark="engine_levers", args={**vars(a), "model": model}, rows=results,
