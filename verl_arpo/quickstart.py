@@ -1,7 +1,7 @@
 """The main job on the embedded default: a real small model learns to use tools, on a CPU.
 
     bash scripts/quickstart.sh            # = python -m verl_arpo.quickstart (after setting up .venv)
-    bash scripts/quickstart.sh --smoke    # minutes: a few SFT/RL steps, 30 test questions
+    bash scripts/quickstart.sh --smoke    # ~3 minutes: the same stages at a small per-step shape (SMOKE)
     bash scripts/quickstart.sh --tiny     # the random tiny model instead of SmolLM2 (plumbing check)
     bash scripts/quickstart.sh --out outputs/qs2 data.train_batch_size=9   # Hydra overrides of the RL stage
 
@@ -91,6 +91,33 @@ so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue
 """Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
 searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
 gained at each of 4 (docs/results.md, "Twice the SFT steps")."""
+SMOKE = {"questions": 12, "response_length": 128, "sft_steps": 2, "sft_batch_size": 4, "rl_steps": 2,
+         "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=128",
+                          "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.initial_rollouts=1",
+                          "actor_rollout_ref.actor.ppo_mini_batch_size=3"]}
+"""`--smoke`: every stage and entry point of the full run, each at a small per-step shape, so the whole
+pipeline runs in minutes (issue 47: the full run's per-step work with fewer steps took over 10). Per
+step: SFT on 4 conversations (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 128 tokens
+(288); the evaluations answer 12 questions with up to 128 tokens (150 or 600, 288). A plumbing check:
+its accuracies say nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2)."""
+EXPECTED_SECONDS = {
+    ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
+    ("bf16", False): {"eval base": 90, "sft": 541, "eval sft": 300, "rl": 752, "merge": 15, "eval rl": 300},
+    ("fp32", True): {"eval base": 25, "sft": 35, "eval sft": 25, "rl": 80, "merge": 8, "eval rl": 25},
+    ("bf16", True): {"eval base": 20, "sft": 25, "eval sft": 20, "rl": 60, "merge": 8, "eval rl": 20},
+}
+"""Seconds each stage took on 2-core machines (docs/performance.md, "What the quickstart costs"), by
+(precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`)."""
+
+
+def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:
+    """Seconds the stages `todo` should take here: sum of their `expected` seconds × this machine's pace,
+    the actual seconds of the stages that ran (`done`) over their expected seconds (1 before any ran)."""
+    ran = [s for s in done if s in expected]
+    pace = sum(done[s] for s in ran) / sum(expected[s] for s in ran) if ran else 1.0
+    return pace * sum(expected[s] for s in todo if s in expected)
+
+
 FP32_RL_OVERRIDES = ["actor_rollout_ref.rollout.dtype=float32",
                      "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32"]
 
@@ -106,13 +133,14 @@ def resolve_precision(choice: str) -> str:
     return "bf16" if cpu_has_fast_bf16() else "fp32"
 
 
-def sft_command(base: Path, sft_dir: Path, steps: int, epochs: int = 1, precision: str = "bf16") -> list[str]:
+def sft_command(base: Path, sft_dir: Path, steps: int, epochs: int = 1, precision: str = "bf16",
+                batch_size: int = 16) -> list[str]:
     """The cold-start SFT: a cold start teaches the format, not the task (SFT_STEPS steps × 16
     conversations on a CPU by default); fp32 weights, bf16 autocast when `precision` is bf16."""
     return [PY, "-m", "verl_arpo.trainer.main_sft", f"model.partial_pretrain={base}",
             f"data.train_files={ROOT / 'rl_datasets' / 'sft_train.jsonl'}", f"trainer.default_local_dir={sft_dir}",
-            f"trainer.total_epochs={epochs}", "optim.lr=1e-4", "data.train_batch_size=16",
-            "data.micro_batch_size_per_gpu=4", "data.max_length=640", "data.truncation=right",
+            f"trainer.total_epochs={epochs}", "optim.lr=1e-4", f"data.train_batch_size={batch_size}",
+            f"data.micro_batch_size_per_gpu={min(4, batch_size)}", "data.max_length=640", "data.truncation=right",
             *(["model.autocast_dtype=bfloat16"] if precision == "bf16" else []), f"trainer.total_training_steps={steps}"]
 
 
@@ -120,8 +148,11 @@ SFT_RECORD = "verl_arpo_sft.json"
 """Written into an SFT model's folder after training: the arguments it was trained with."""
 
 
-def sft_record(steps: int, epochs: int, precision: str) -> dict:
-    return {"steps": int(steps), "epochs": int(epochs), "precision": precision}
+def sft_record(steps: int, epochs: int, precision: str, batch_size: int = 16) -> dict:
+    """The arguments an SFT model was trained with (the batch size only when not the default 16, so
+    records written before it was a choice still match)."""
+    return {"steps": int(steps), "epochs": int(epochs), "precision": precision,
+            **({"batch_size": int(batch_size)} if batch_size != 16 else {})}
 
 
 def sft_model_matches(sft_dir: Path, record: dict) -> bool:
@@ -135,7 +166,8 @@ def sft_model_matches(sft_dir: Path, record: dict) -> bool:
 def train_sft(base: Path, sft_dir: Path, record: dict, log: Path, env: dict) -> None:
     """sft_command into a fresh `sft_dir`, then its record (last: a killed run leaves none)."""
     shutil.rmtree(sft_dir, ignore_errors=True)
-    run_logged(sft_command(base, sft_dir, record["steps"], record["epochs"], record["precision"]), log, env)
+    run_logged(sft_command(base, sft_dir, record["steps"], record["epochs"], record["precision"],
+                           record.get("batch_size", 16)), log, env)
     (sft_dir / SFT_RECORD).write_text(json.dumps(record))
 
 
@@ -164,11 +196,11 @@ def eval_limit(tag: str, test_limit: int | None) -> int | None:
     return test_limit
 
 
-def eval_args(test_limit: int | None = None, precision: str = "bf16") -> list[str]:
+def eval_args(test_limit: int | None = None, precision: str = "bf16", response_length: int = 288) -> list[str]:
     """main_eval's arguments for the test split: greedy, in the rollout's precision (bf16 generates
     1.9x faster than fp32 with AMX), 150 questions per generation call with the shared prefix
     encoded once."""
-    return ["--k", "1", "--max_response_length", "288", "--dtype", "bfloat16" if precision == "bf16" else "float32",
+    return ["--k", "1", "--max_response_length", str(response_length), "--dtype", "bfloat16" if precision == "bf16" else "float32",
             "--batch_size", "150",
             "--max_batch_size", "150", *(["--limit", str(test_limit)] if test_limit else [])]
 
@@ -251,7 +283,8 @@ def reward_curve(metrics_file: Path, png: Path) -> list[tuple[int, float]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="a short run (a few steps, 30 test questions)")
+    p.add_argument("--smoke", action="store_true", help="a few minutes: every stage at a small per-step shape "
+                   "(2 SFT and 2 RL steps, 12 test questions); a plumbing check, not a result")
     p.add_argument("--tiny", action="store_true", help="use the random tiny model (plumbing only)")
     p.add_argument("--algo", choices=list(ALGO_OVERRIDES), default="arpo")
     p.add_argument("--rl_steps", type=int, default=None)
@@ -289,8 +322,9 @@ class Quickstart:
         self.out = Path(a.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs, self.env = self.out / "logs", STAGE_ENV
-        self.rl_steps = a.rl_steps or (2 if a.smoke else 13)
-        self.test_limit = a.test_limit or (30 if a.smoke else None)
+        self.rl_steps = a.rl_steps or (SMOKE["rl_steps"] if a.smoke else 13)
+        self.test_limit = a.test_limit or (SMOKE["questions"] if a.smoke else None)
+        self.response_length = SMOKE["response_length"] if a.smoke else 288
         self.precision = resolve_precision(a.precision)
         say(f"precision: {self.precision}" + (" (auto: this CPU has no native bf16 matmul)" if a.precision == "auto"
                                               and self.precision == "fp32" else " (auto)" if a.precision == "auto" else ""))
@@ -298,6 +332,9 @@ class Quickstart:
         self.times: dict[str, float] = (json.loads(self.times_file.read_text())
                                         if self.times_file.exists() and not a.force else {})
         self.stale = a.force
+        # (the tiny model's run is paced like a smoke run: the estimate corrects itself after a stage)
+        self.expected: dict[str, float] | None = EXPECTED_SECONDS[(self.precision, bool(a.smoke or a.tiny))]
+        self.ran_now: dict[str, float] = {}   # stage -> seconds, the stages this invocation ran
         self.wall: dict[str, float] = {}
         self.evals: dict[str, dict] = {}
         self.cached: list[str] = []
@@ -309,6 +346,7 @@ class Quickstart:
 
     def ran(self, name: str, seconds: float) -> None:
         self.stale = True
+        self.ran_now[name.replace("_", " ")] = seconds
         self.times[name] = round(seconds, 1)
         self.times_file.write_text(json.dumps(self.times, indent=2))
 
@@ -317,6 +355,12 @@ class Quickstart:
         product = PRODUCTS.get(name)
         if product and self.done(self.out / product):
             say(f"{name}: reused (its outputs exist; --force redoes it)")
+        elif self.expected is not None and name in self.expected:
+            # this stage runs, so every later one does: what is left, at this machine's pace so far
+            todo = STAGES[STAGES.index(name):]
+            say(f"{name}: ~{time_left(self.expected, self.ran_now, [name]) / 60:.1f} min expected; "
+                f"~{time_left(self.expected, self.ran_now, todo) / 60:.0f} min left in all "
+                f"(stages: {', '.join(s for s in todo if s in self.expected)})")
         return time.perf_counter()
 
     # -- the stages
@@ -351,7 +395,7 @@ class Quickstart:
             self.t_eval += self.times.get(f"eval_{tag}", 0.0)
             self.cached.extend([tag] if self.times.get(f"eval_{tag}_cached") else [])
         else:
-            args = eval_args(eval_limit(tag, self.test_limit), self.precision)
+            args = eval_args(eval_limit(tag, self.test_limit), self.precision, self.response_length)
             hit = eval_cache_dir() / f"{eval_cache_key(model_dir, TEST_DATA, args)}.json" if tag == "base" else None
             if hit is not None and hit.exists():  # the same report: later stages stay valid
                 say(f"eval_{tag}: reused from the cache {hit} (same weights, data, arguments, code)")
@@ -373,8 +417,8 @@ class Quickstart:
 
     def sft(self, base: Path) -> Path:
         sft_dir = self.out / "sft_model"
-        record = sft_record(self.a.sft_steps or (2 if self.a.smoke else SFT_STEPS), self.a.sft_epochs or 1,
-                            self.precision)
+        record = sft_record(self.a.sft_steps or (SMOKE["sft_steps"] if self.a.smoke else SFT_STEPS),
+                            self.a.sft_epochs or 1, self.precision, SMOKE["sft_batch_size"] if self.a.smoke else 16)
         if (sft_dir / "config.json").exists() and not self.stale and not sft_model_matches(sft_dir, record):
             say(f"sft: {sft_dir} was not trained with {record}: training it again")
             self.stale = True
@@ -399,7 +443,8 @@ class Quickstart:
                 shutil.rmtree(rl_root)
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
             cmd = rl_command(sft_dir, rl_root, self.rl_steps, self.a.algo, self.out / "search_cache.sqlite",
-                             self.a.tiny, self.a.overrides, self.precision)
+                             self.a.tiny, [*(SMOKE["rl_overrides"] if self.a.smoke else []), *self.a.overrides],
+                             self.precision)
             before = self.times.get("rl", 0.0) if resumed else 0.0
             try:
                 run_logged(cmd, self.logs / "rl.log", self.env, append=resumed)

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SMOKE = {"questions": 12, "response_length": 128}   # verl_arpo.quickstart.SMOKE, written out
 
 
 @pytest.mark.slow
 def test_quickstart_tiny_smoke(tmp_path):
     out = tmp_path / "qs"
     env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache")}  # an empty evaluation cache
-    # Hydra overrides on the command line reach the RL stage: 3 prompts a step (6 by default), one of
-    # each task type (data.stratify_by in configs/quickstart.yaml)
-    overrides = ["data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    # --smoke's RL shape is 3 prompts a step, one of each task type (data.stratify_by in
+    # configs/quickstart.yaml); Hydra overrides on the command line reach the RL stage and win over it
+    overrides = ["actor_rollout_ref.rollout.n=4"]
     r = subprocess.run([sys.executable, "-m", "verl_arpo.quickstart", "--tiny", "--smoke", "--out", str(out), *overrides],
                        cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -27,8 +28,9 @@ def test_quickstart_tiny_smoke(tmp_path):
         rows = [json.loads(line) for line in open(out / "rl" / "rollout" / f"rollout_{step}.jsonl")]
         prompts = {row["uid"]: row["data_source"] for row in rows}
         assert len(rows) == 3 * 4 and sorted(Counter(prompts.values()).values()) == [1, 1, 1]
+        assert max(sum(n for _, n in row["response_mask"]) for row in rows) <= SMOKE["response_length"]
     s = json.loads((out / "summary.json").read_text())
-    assert s["test"]["n"] == 30
+    assert s["test"]["n"] == SMOKE["questions"]
     for tag in ("base", "sft", "rl"):
         lo, hi = s["test"][tag]["ci95"]
         assert 0.0 <= lo <= s["test"][tag]["acc"] <= hi <= 1.0
@@ -42,6 +44,9 @@ def test_quickstart_tiny_smoke(tmp_path):
     for stage in ("eval_base", "sft", "eval_sft", "rl", "merge", "eval_rl"):
         assert f"{stage}: started (log: {out / 'logs' / stage}.log)" in r.stdout, (stage, r.stdout[-2000:])
         assert re.search(rf"{stage}: finished in \d+ s", r.stdout), stage
+    # before each stage: what it and the rest should take at this machine's pace so far
+    stages = re.findall(r"\] [\d:]+ ([a-z ]+): ~[\d.]+ min expected; ~\d+ min left in all", r.stdout)
+    assert stages == ["eval base", "sft", "eval sft", "rl", "merge", "eval rl"], r.stdout[-3000:]
     # a re-run reuses every finished stage (nothing is rewritten) and still reports what each stage cost;
     # the base evaluation, whose report is gone, comes from the cache without running the model again
     base_report = json.loads((out / "eval_base.json").read_text())
@@ -75,6 +80,16 @@ def test_an_override_that_is_not_key_value_is_refused(tmp_path, capsys):
         main(["--out", str(tmp_path), "data.train_batch_size", "6"])
     assert exit_.value.code == 2
     assert "'data.train_batch_size' is not a Hydra override: write KEY=VALUE" in capsys.readouterr().err
+
+
+def test_time_left_scales_the_expected_seconds_by_the_pace_so_far():
+    from verl_arpo.quickstart import time_left
+
+    expected = {"eval base": 100, "sft": 200, "rl": 400}
+    assert time_left(expected, {}, ["eval base", "sft", "rl"]) == 700   # nothing ran: as expected
+    # eval base took 150 s of an expected 100: the rest at 1.5x
+    assert time_left(expected, {"eval base": 150.0}, ["sft", "rl"]) == 1.5 * 600
+    assert time_left(expected, {"eval base": 50.0, "sft": 250.0}, ["rl", "summary"]) == 400
 
 
 def test_eval_cache_key_follows_every_input(tmp_path, monkeypatch):
