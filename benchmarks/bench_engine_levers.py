@@ -1,5 +1,4 @@
-"""HF engine levers on the quickstart's evaluation shape: decode attention, a shared prompt prefix,
-a KV cache grown in place.
+"""HF engine levers on the quickstart's evaluation shape: decode attention and a shared prompt prefix.
 
 Workload: the first `--prompts` questions of the bundled test split with their system prompt
 (chat template; ~118 of ~140 tokens are the same in every prompt), greedy, up to `--new_tokens`
@@ -7,17 +6,15 @@ tokens each, all rows in one batch, SmolLM2-135M-Instruct (or `--model`) in `--d
 where the CPU has native bf16, else fp32), one process with `--threads` torch threads. Cases, each in
 a fresh subprocess:
 
-1. sdpa attention, every prompt prefilled in full, transformers' torch.cat cache (baseline);
+1. sdpa attention, every prompt prefilled in full (baseline);
 2. grouped decode attention (`decode_attention.py`), full prefill;
-3. grouped decode attention + the shared prefix encoded once;
-4. 3 + the decode batch's KV cache grown in place (`hf_cache.py`) — the engine now.
+3. grouped decode attention + the shared prefix encoded once — the engine now.
 
 Reports wall seconds of `generate`, generated tokens/s, prefilled tokens, peak RSS of the process,
 the ratio to the first case run in the same run, and how many rows produced exactly its tokens
-(rounding differs between attention kernels, so a few greedy rows may take another token; case 4
-computes case 3's numbers exactly, so it must match case 3 on every row).
+(rounding differs between attention kernels, so a few greedy rows may take another token).
 
-    python benchmarks/bench_engine_levers.py [--model DIR] [--quick] [--cases 3,4]
+    python benchmarks/bench_engine_levers.py [--model DIR] [--quick] [--cases 1,3]
 """
 from __future__ import annotations
 
@@ -31,11 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CASES = [  # (label, attention, share_prefix, KV grown in place)
-    ("sdpa, full prefill, torch.cat cache", "sdpa", False, False),
-    ("grouped decode attention, full prefill", None, False, False),
-    ("grouped decode attention + shared prefix", None, True, False),
-    ("+ KV cache grown in place (now)", None, True, True),
+CASES = [  # (label, attention, share_prefix)
+    ("sdpa, full prefill (before)", "sdpa", False),
+    ("grouped decode attention, full prefill", None, False),
+    ("grouped decode attention + shared prefix (now)", None, True),
 ]
 
 
@@ -54,7 +50,6 @@ def child(spec: dict) -> dict:
                    add_special_tokens=False)["input_ids"] for r in spec["rows"]]
     eng = HFEngine(spec["model"], tok, dtype=spec["dtype"], attn_implementation=spec["attention"],
                    max_batch_size=len(prompts), share_prefix=spec["share_prefix"])
-    eng.grow_kv_in_place = spec["in_place"]
     reqs = [GenRequest(str(i), p, int(spec["new_tokens"]), [], SamplingParams(greedy=True))
             for i, p in enumerate(prompts)]
     eng.generate(reqs[:2])   # warm-up (kernels, allocator)
@@ -83,7 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="16 prompts, 24 tokens")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: bfloat16 where the CPU has native bf16, else float32")
-    p.add_argument("--cases", default="1,2,3,4", help="which cases (1-4), the first is the baseline")
+    p.add_argument("--cases", default="1,2,3", help="which cases (1-3), the first is the baseline")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_levers.json"))
     a = p.parse_args(argv)
     if a.quick:
@@ -100,10 +95,9 @@ def main(argv=None) -> None:
     rows = prompt_rows(a.prompts, ROOT / "rl_datasets" / "test.parquet")
     results = []
     for k in [int(c) for c in a.cases.split(",")]:
-        label, attention, share, in_place = CASES[k - 1]
+        label, attention, share = CASES[k - 1]
         r = run_case(__file__, dict(model=model, rows=rows, new_tokens=a.new_tokens, threads=a.threads,
-                                    attention=attention, share_prefix=share, in_place=in_place,
-                                    dtype=a.dtype))
+                                    attention=attention, share_prefix=share, dtype=a.dtype))
         results.append({**r, "label": f"{k}. {label}"})
     base = results[0]
     table = []

@@ -91,20 +91,21 @@ so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue
 """Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
 searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
 gained at each of 4 (docs/results.md, "Twice the SFT steps")."""
-SMOKE = {"questions": 12, "response_length": 128, "sft_steps": 2, "sft_batch_size": 4, "rl_steps": 2,
-         "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=128",
+SMOKE = {"questions": 6, "response_length": 64, "sft_steps": 2, "sft_batch_size": 2, "rl_steps": 2,
+         "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=64",
                           "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.initial_rollouts=1",
                           "actor_rollout_ref.actor.ppo_mini_batch_size=3"]}
 """`--smoke`: every stage and entry point of the full run, each at a small per-step shape, so the whole
 pipeline runs in minutes (issue 47: the full run's per-step work with fewer steps took over 10). Per
-step: SFT on 4 conversations (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 128 tokens
-(288); the evaluations answer 12 questions with up to 128 tokens (150 or 600, 288). A plumbing check:
-its accuracies say nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2)."""
+step: SFT on 2 conversations (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 64 tokens (288);
+the evaluations answer 6 questions with up to 64 tokens (150 or 600, 288). A plumbing check: its
+accuracies say nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), and the
+second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
     ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
     ("bf16", False): {"eval base": 90, "sft": 541, "eval sft": 300, "rl": 752, "merge": 15, "eval rl": 300},
-    ("fp32", True): {"eval base": 25, "sft": 35, "eval sft": 25, "rl": 80, "merge": 8, "eval rl": 25},
-    ("bf16", True): {"eval base": 20, "sft": 25, "eval sft": 20, "rl": 60, "merge": 8, "eval rl": 20},
+    ("fp32", True): {"eval base": 27, "sft": 27, "eval sft": 29, "rl": 155, "merge": 11, "eval rl": 31},
+    ("bf16", True): {"eval base": 22, "sft": 20, "eval sft": 24, "rl": 120, "merge": 11, "eval rl": 25},
 }
 """Seconds each stage took on 2-core machines (docs/performance.md, "What the quickstart costs"), by
 (precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`)."""
@@ -284,7 +285,7 @@ def reward_curve(metrics_file: Path, png: Path) -> list[tuple[int, float]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a few minutes: every stage at a small per-step shape "
-                   "(2 SFT and 2 RL steps, 12 test questions); a plumbing check, not a result")
+                   "(2 SFT and 2 RL steps, 6 test questions); a plumbing check, not a result")
     p.add_argument("--tiny", action="store_true", help="use the random tiny model (plumbing only)")
     p.add_argument("--algo", choices=list(ALGO_OVERRIDES), default="arpo")
     p.add_argument("--rl_steps", type=int, default=None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOKE = {"questions": 12, "response_length": 128}   # verl_arpo.quickstart.SMOKE, written out
+SMOKE = {"questions": 6, "response_length": 64}   # verl_arpo.quickstart.SMOKE, written out
 
 
 @pytest.mark.slow

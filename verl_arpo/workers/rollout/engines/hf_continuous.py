@@ -96,7 +96,6 @@ class ContinuousBatching:
             self._running, self._logits = batch, logits
         else:
             self._running = merge_batches(self._running, batch)
-            self._in_place(self._running.cache)
             self._logits = torch.cat([self._logits, logits])
 
     def _decode_step(self) -> list:

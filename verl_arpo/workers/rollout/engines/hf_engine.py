@@ -61,7 +61,6 @@ from verl_arpo.workers.rollout.engines.base import (
     topk_with_sampled,
     common_prefix_len,
 )
-from verl_arpo.workers.rollout.engines.hf_cache import grow_in_place
 from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousBatching
 from verl_arpo.workers.rollout.engines.hf_requests import KV, Batch, Row, StopChecker, row_output
 from verl_arpo.workers.rollout.engines.hf_weights import EngineWeights
@@ -99,10 +98,6 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
     A module shared with the trainer (no copy) changes under the engine at every optimizer step:
     call `release()` after each step (there is then no need for `update_weights`).
     """
-
-    grow_kv_in_place = True
-    """Decode batches append keys/values in place (hf_cache.py; bit-identical, less copying). False:
-    transformers' `torch.cat` cache, the baseline of tests and benchmarks."""
 
     def __init__(self, model_or_path, tokenizer=None, dtype: str = "float32", device=None,
                  attn_implementation: str | None = None, max_batch_size: int = 64,
@@ -346,7 +341,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         P, B = max(lens), len(kvs)
         mask = torch.zeros((B, P), dtype=torch.long, device=self.device)
         if P == 0:
-            return self._in_place(DynamicCache() if self.reuse_kv else DynamicCache(config=self.model.config)), mask
+            return (DynamicCache() if self.reuse_kv else DynamicCache(config=self.model.config)), mask
         ref = next(kv for kv in kvs if kv is not None and kv.tokens)
         layers = []
         for li, (k0, v0) in enumerate(zip(ref.keys, ref.values)):
@@ -359,11 +354,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             layers.append((K, V))
         for i, n in enumerate(lens):
             mask[i, P - n:] = 1 if n else 0
-        return self._in_place(DynamicCache(layers)), mask
-
-    def _in_place(self, cache):
-        """`cache`, appending in place when `grow_kv_in_place` (hf_cache.py)."""
-        return grow_in_place(cache) if self.grow_kv_in_place else cache
+        return DynamicCache(layers), mask
 
     def _extract(self, batch: Batch, i: int, tokens: list[int]) -> KV:
         """Copy row i's real positions out of the batch cache (to CPU memory)."""
