@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from verl_arpo.utils.job_config import ActorConfig, Batching, OptimConfig
+        from verl_arpo.config import ActorConfig, Batching, OptimConfig
         from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
         from verl_arpo.workers.optim_step import build_adamw
         from verl_arpo.workers.sharded_model import (fsdp_mixed_precision,

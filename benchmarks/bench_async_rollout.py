@@ -106,7 +106,7 @@ def run_mode(mode: str, spec: dict, step: int, serp_url: str) -> dict:
     from transformers import AutoTokenizer
 
     from bench_branching import batch_of, load_prompts
-    from verl_arpo.utils.job_config import RolloutSection, from_mapping
+    from verl_arpo.config import RolloutSection, from_mapping
     from verl_arpo.workers.rollout import build_agent_loop
     from verl_arpo.workers.rollout.engines import build_engine
     from verl_arpo.workers.rollout.tools.python_tool import PythonTool

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from verl_arpo.protocol import DataProto, as_object_array  # noqa: E402
 from verl_arpo.utils.reward_score import default_compute_score  # noqa: E402
-from verl_arpo.utils.job_config import RolloutSection, from_mapping  # noqa: E402
+from verl_arpo.config import RolloutSection, from_mapping  # noqa: E402
 from verl_arpo.workers.rollout.agent_loop import AgentLoop  # noqa: E402
 from verl_arpo.workers.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor  # noqa: E402

@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, rows: int, lengths: 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from verl_arpo.utils.job_config import ActorConfig, Batching
+    from verl_arpo.config import ActorConfig, Batching
     from verl_arpo.utils.ulysses import build_sequence_parallel
     from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 

@@ -64,7 +64,7 @@ def profile_ours(spec: dict, top: int) -> str:
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
-    from verl_arpo.utils.reward_manager import load_reward_manager
+    from verl_arpo.workers.reward_manager import load_reward_manager
     from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
 
     torch.set_num_threads(1)

@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script from the repository root: make 
 import torch  # noqa: E402
 
 from verl_arpo.utils import checkpoint as ck  # noqa: E402
-from verl_arpo.utils.checkpoint_safe_load import UnsafeCheckpointError  # noqa: E402
+from verl_arpo.utils.checkpoint.safe_load import UnsafeCheckpointError  # noqa: E402
 from verl_arpo.utils.checkpoint import (  # noqa: E402
     load_model_state_offline,
     read_checkpoint_meta,
@@ -84,7 +84,7 @@ def verify_before_reading(actor_dir: str) -> None:
     """Check the step's CRC-32 manifest (its completeness marker) before any file is read: a damaged
     checkpoint must not merge, with exit 0, into a silently wrong model. A component folder saved
     outside the trainer has no marker; it is read with a warning (its files are still read as data)."""
-    from verl_arpo.utils.checkpoint_integrity import verify_checkpoint
+    from verl_arpo.utils.checkpoint.integrity import verify_checkpoint
 
     step_dir = os.path.dirname(os.path.abspath(actor_dir))
     if not os.path.isfile(os.path.join(step_dir, ck.COMPLETE_MARKER)):

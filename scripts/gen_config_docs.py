@@ -187,7 +187,7 @@ python -m verl_arpo.trainer.main_ppo --config-name=cpu_tiny actor_rollout_ref.mo
 - `--cfg job` prints the composed config and runs nothing; a real run prints it (secrets masked)
   and validates it before Ray starts, naming every bad key at once.
 - An unknown key is an error naming it (the config is in struct mode, and the trainer builds the
-  typed config of `verl_arpo/utils/job_config/` from it). Only the free-form maps take new keys
+  typed config of `verl_arpo/config/` from it). Only the free-form maps take new keys
   with `+` (`++` sets a key whether or not it exists): tool `params`, `ray_init.runtime_env`,
   `model.override_config`, `custom_reward_function.reward_kwargs`.
 - `???` marks a required value, `${a.b}` copies another key, `null` is Python's None.
@@ -199,7 +199,7 @@ python -m verl_arpo.trainer.main_ppo --config-name=cpu_tiny actor_rollout_ref.mo
 ### How a value is checked
 
 Right after Hydra composes, the tree becomes the typed `JobConfig`, one frozen dataclass per section
-(`verl_arpo/utils/job_config/`). Every value is checked against its field's type, then against the
+(`verl_arpo/config/`). Every value is checked against its field's type, then against the
 value rules of its section, then against the rules across sections (batch sizes against the worker
 count, token budgets against the lengths, the critic under `gae`); every problem is reported at once.
 
@@ -217,7 +217,7 @@ an interpolation that does not resolve is reported naming its key. A section wit
 skips its value rules until the type is fixed, so one mistake gives one message.
 
 Adding a key: add it to the YAML (with its comment) and to its section's dataclass in
-`verl_arpo/utils/job_config/` (a rule on it goes in that section's `problems()`), then regenerate
+`verl_arpo/config/` (a rule on it goes in that section's `problems()`), then regenerate
 this page. Nothing else holds a default.
 
 Regenerate this page after changing a config, and check that it is current (the test suite does):
@@ -287,12 +287,12 @@ def render() -> str:
         rows.append((_code(path.stem), _cell(first)))
     out += _table(rows, ("Name", "What it holds")) + [""]
 
-    from verl_arpo.utils.job_config import NOT_IMPLEMENTED
+    from verl_arpo.config import NOT_IMPLEMENTED
 
     out += ["## Accepted, not implemented yet", "",
             "verl keys that launch scripts carry but no code here reads yet. Their default is accepted;",
             "any other value is a configuration error that names the key and what to use instead",
-            "(`verl_arpo.utils.job_config.NOT_IMPLEMENTED`):", ""]
+            "(`verl_arpo.config.NOT_IMPLEMENTED`):", ""]
     out += _table([(_code(k), _code(base_values.get(k, "")), _cell(why)) for k, why in NOT_IMPLEMENTED.items()],
                   ("Key", "Accepted value", "Why, and what to use instead")) + [""]
     return "\n".join(out).rstrip() + "\n"

@@ -4,7 +4,7 @@ the per-worker batching a run derives (`JobConfig.derived`) for one worker and r
 the section's batch sizes are the worker's own; for the agent loop its call limit and seed."""
 from __future__ import annotations
 
-from verl_arpo.utils.job_config import (ActorConfig, Batching, CriticConfig, RolloutSection, from_mapping,
+from verl_arpo.config import (ActorConfig, Batching, CriticConfig, RolloutSection, from_mapping,
                                      kl_term_active)
 
 

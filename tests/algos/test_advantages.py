@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_arpo.trainer.ppo import core_algos as ca
+from verl_arpo.algos import core_algos as ca
 
 
 def _outcome(scores, length=4, valid=None):

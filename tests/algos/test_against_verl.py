@@ -17,7 +17,7 @@ if os.environ.get("VERL_ARPO_REQUIRE_VERL") == "1":
 else:
     verl_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 
-from verl_arpo.trainer.ppo import core_algos as ours  # noqa: E402
+from verl_arpo.algos import core_algos as ours  # noqa: E402
 
 
 def _inputs(seed=0, B=6, T=10):

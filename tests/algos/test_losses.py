@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from verl_arpo.trainer.ppo import core_algos as ca
+from verl_arpo.algos import core_algos as ca
 
 
 def _agg_reference(L, m, mode):
@@ -178,7 +178,7 @@ def test_value_loss_and_entropy_loss():
 
 
 def test_kl_controllers():
-    from verl_arpo.utils.job_config import KLCtrlConfig
+    from verl_arpo.config import KLCtrlConfig
 
     fixed = ca.get_kl_controller(KLCtrlConfig(type="fixed", kl_coef=0.1))
     fixed.update(5.0, 10)

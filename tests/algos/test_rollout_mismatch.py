@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from verl_arpo.trainer.ppo.core_algos import compute_policy_loss
-from verl_arpo.trainer.ppo.rollout_mismatch import mismatch_metrics, rollout_is_weights
+from verl_arpo.algos.core_algos import compute_policy_loss
+from verl_arpo.algos.rollout_mismatch import mismatch_metrics, rollout_is_weights
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.3, -4.0, 0.0]])
 ROLL = torch.tensor([[-1.2, -1.0, -0.5, -9.0], [-0.3, -0.1, -1.0, 0.0]])

@@ -268,7 +268,7 @@ def test_a_payload_in_a_dcp_bytes_entry_never_runs(tmp_path):
     payload: torch's own dcp.load runs it; ours refuses it, naming the .distcp file and the entry."""
     import torch.distributed.checkpoint as dcp
 
-    from verl_arpo.utils.checkpoint_safe_load import UnsafeCheckpointError, safe_dcp_load
+    from verl_arpo.utils.checkpoint.safe_load import UnsafeCheckpointError, safe_dcp_load
 
     marker = tmp_path / "payload_ran"
     folder = tmp_path / "optim"

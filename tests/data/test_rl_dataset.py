@@ -11,7 +11,7 @@ import torch
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.utils.dataset import RLHFDataset, collate_fn
-from verl_arpo.utils.job_config import DataConfig
+from verl_arpo.config import DataConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 REFERENCE = FIXTURES / "reference_format.parquet"

@@ -328,14 +328,14 @@ def check_help_only(module: str, marker: str):
 
 def check_memory_estimate(cmd: Command, args: list[str], tmp: Path) -> None:
     """Run for real: it only composes the script's config and counts parameters on the meta device."""
-    code, out, err = run_module_inprocess("verl_arpo.utils.memory_estimate", args, ROOT)
+    code, out, err = run_module_inprocess("verl_arpo.trainer.memory_estimate", args, ROOT)
     assert code == 0, f"{cmd.id}:\n{out[-2000:]}\n{err[-2000:]}"
     assert "peak:" in out and "| total |" in out, out[-2000:]
 
 
 MODULE_CHECKS = {
     "merge_ckpt.convert_verl_to_hf": lambda cmd, args, tmp: check_convert(cmd, args, tmp),
-    "verl_arpo.utils.memory_estimate": check_memory_estimate,
+    "verl_arpo.trainer.memory_estimate": check_memory_estimate,
     "verl_arpo.trainer.main_ppo": check_main_ppo,
     "verl_arpo.trainer.main_eval": check_main_eval,
     "verl_arpo.trainer.main_sft": check_main_sft,

@@ -41,7 +41,7 @@ def test_splits_do_not_share_entities_or_questions():
 
 
 def test_rl_dataset_loads_bundled_parquet(tiny_tokenizer):
-    from verl_arpo.utils.job_config import DataConfig
+    from verl_arpo.config import DataConfig
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
 
     ds = RLHFDataset(str(DATA / "valid.parquet"), tiny_tokenizer, DataConfig(max_prompt_length=512))

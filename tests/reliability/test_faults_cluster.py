@@ -46,7 +46,7 @@ def test_run_refusals_have_their_own_exit_codes():
     from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
     from verl_arpo.trainer.main_ppo import run_refusal
     from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
-    from verl_arpo.utils.checkpoint_integrity import RunDirLockedError
+    from verl_arpo.utils.checkpoint.integrity import RunDirLockedError
 
     assert run_refusal(RunDirLockedError("x"))[0] == 3
     assert run_refusal(DifferentRunError("x"))[0] == 4

@@ -11,7 +11,7 @@ from rel_helpers import FakeSearchAPI, prompts
 from test_faults_tools import _loop, _search_tool, _storm
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl_arpo.algos.core_algos import compute_grpo_outcome_advantage
 from verl_arpo.trainer.ppo.tool_outages import apply_outage_policy, infra_failures, outage_stop_message, share_failed
 from verl_arpo.workers.rollout.tools.base_tool import BaseTool
 from verl_arpo.workers.rollout.tools.registry import ToolExecutor

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
 from test_reward_manager import _mixed_batch  # noqa: E402
 
-from verl_arpo.utils.reward_manager import NaiveRewardManager, load_custom_reward_function  # noqa: E402
+from verl_arpo.workers.reward_manager import NaiveRewardManager, load_custom_reward_function  # noqa: E402
 
 DIES_IN_WORKERS = """
 import multiprocessing, os

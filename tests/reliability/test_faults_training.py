@@ -191,7 +191,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(finished_run
 def _lock_holder(directory) -> subprocess.Popen:
     """Another process holding the run lock of `directory` (until it is killed)."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from verl_arpo.utils.checkpoint_integrity import RunDirLock\n"
+                               "from verl_arpo.utils.checkpoint.integrity import RunDirLock\n"
                                f"RunDirLock({str(directory)!r}).acquire(); print('held', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -201,7 +201,7 @@ def _lock_holder(directory) -> subprocess.Popen:
 def test_one_directory_one_run(tmp_path):
     """A second run on a directory in use stops at once, naming the holder; the lock dies with
     its process (even SIGKILLed)."""
-    from verl_arpo.utils.checkpoint_integrity import RunDirLock, RunDirLockedError
+    from verl_arpo.utils.checkpoint.integrity import RunDirLock, RunDirLockedError
 
     holder = _lock_holder(tmp_path)
     try:
@@ -250,7 +250,7 @@ def test_the_fingerprint_sees_a_same_size_change_anywhere_in_a_weight_file(tmp_p
     """[issue 34, item 4] Only the first MiB of each weight file was hashed: a same-size fine-tune with
     frozen embeddings, swapped into the folder, resumed silently. Whole files count now; a fingerprint
     written before (no crc32) still compares equal to an unchanged model."""
-    from verl_arpo.utils.checkpoint_integrity import fingerprint_differences, run_fingerprint
+    from verl_arpo.utils.checkpoint.integrity import fingerprint_differences, run_fingerprint
 
     model = tmp_path / "model"
     model.mkdir()

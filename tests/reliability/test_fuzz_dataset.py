@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rel_helpers import fuzz
 
 from verl_arpo.utils.dataset import RLHFDataset, collate_fn
-from verl_arpo.utils.job_config import DataConfig
+from verl_arpo.config import DataConfig
 
 MESSAGE = pa.struct([("content", pa.string()), ("role", pa.string())])
 HUGE = "word " * 40_000  # 200k characters, ~40k tokens: truncated (left) to max_prompt_length

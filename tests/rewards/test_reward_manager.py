@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verl_arpo.protocol import DataProto
-from verl_arpo.utils.reward_manager import (NaiveRewardManager, get_custom_reward_fn,
+from verl_arpo.workers.reward_manager import (NaiveRewardManager, get_custom_reward_fn,
                                             get_reward_manager_cls, load_custom_reward_function,
                                             load_reward_manager)
 
@@ -243,7 +243,7 @@ def test_get_custom_reward_fn_from_config(tmp_path, tiny_tokenizer):
 
     path = tmp_path / "r2.py"
     path.write_text(CUSTOM_FILE)
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     assert get_custom_reward_fn(JobConfig.from_mapping({"custom_reward_function": {"path": None, "name": "x"}})) is None
     assert get_custom_reward_fn(JobConfig()) is None
@@ -286,7 +286,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_non_finite_scores_are_failed_scorings_not_a_poisoned_group(tiny_tokenizer, caplog):
     """NaN / ±inf from a scorer become 0.0 for that sample only and are counted; the group's
     GRPO advantages stay finite."""
-    from verl_arpo.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+    from verl_arpo.algos.core_algos import compute_grpo_outcome_advantage
 
     bad = {1: float("nan"), 2: float("inf"), 3: -float("inf")}
 
@@ -309,7 +309,7 @@ def test_a_hung_scorer_ends_in_an_error_naming_the_sample(tiny_tokenizer, tmp_pa
     import threading
     import time
 
-    from verl_arpo.utils.reward_manager import RewardTimeoutError
+    from verl_arpo.workers.reward_manager import RewardTimeoutError
 
     path = tmp_path / "hang.py"
     path.write_text(HANGING_FILE)
@@ -381,7 +381,7 @@ def test_every_scoring_path_is_bounded_even_when_the_scorer_holds_the_gil(tiny_t
     import threading
 
     from verl_arpo.trainer.main_eval import score_samples
-    from verl_arpo.utils.reward_manager import RewardTimeoutError
+    from verl_arpo.workers.reward_manager import RewardTimeoutError
 
     file = tmp_path / f"{kind}.py"
     file.write_text(STUCK_FILES[kind])

@@ -10,8 +10,8 @@ import torch
 from scripted import EchoTool, ScriptedEngine, Turn, make_executor
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.workers.rollout import branching
-from verl_arpo.utils.job_config import ROLLOUT_MODES
+from verl_arpo.algos import branching
+from verl_arpo.config import ROLLOUT_MODES
 from verl_arpo.workers.rollout import build_agent_loop
 from worker_configs import rollout
 
@@ -292,9 +292,9 @@ def test_outcome_reward_survives_masked_endings(tiny_tokenizer, estimator, mode)
     """[issue 15] Two trajectories whose last attended token has loss mask 0 — the forced EOS at
     call_limit, and a tool result cut by the length budget — keep their whole score: with γ = λ = 1
     and zero values, the return at the first response token equals the score."""
-    from verl_arpo.trainer.ppo.core_algos import (compute_gae_advantage_return,
+    from verl_arpo.algos.core_algos import (compute_gae_advantage_return,
                                                   compute_reinforce_plus_plus_outcome_advantage)
-    from verl_arpo.utils.reward_manager import NaiveRewardManager
+    from verl_arpo.workers.reward_manager import NaiveRewardManager
 
     tok = tiny_tokenizer
     n_call = len(tok.encode(CALL, add_special_tokens=False))

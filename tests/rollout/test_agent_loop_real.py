@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.utils.torch_functional import logprobs_from_logits
-from verl_arpo.utils.job_config import ROLLOUT_MODES
+from verl_arpo.config import ROLLOUT_MODES
 from verl_arpo.workers.rollout import build_agent_loop
 from worker_configs import rollout
 from verl_arpo.workers.rollout.engines.hf_engine import HFEngine

@@ -17,7 +17,7 @@ from scripted import ScriptedEngine, Turn, make_executor
 from transformers import AutoModelForCausalLM
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.utils.job_config import ROLLOUT_MODES
+from verl_arpo.config import ROLLOUT_MODES
 from verl_arpo.utils.rollout_dump import dump_rollout, read_dump
 from verl_arpo.utils.rollout_tree import render_html
 from verl_arpo.workers.rollout import build_agent_loop

@@ -12,7 +12,7 @@ import torch
 from scripted import EchoTool, ScriptedEngine, Turn, make_executor
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.utils.job_config import ROLLOUT_MODES
+from verl_arpo.config import ROLLOUT_MODES
 from verl_arpo.utils.rollout_dump import dump_rollout, read_dump
 from verl_arpo.utils.rollout_tree import render_html, tree_layout
 from verl_arpo.workers.rollout import build_agent_loop

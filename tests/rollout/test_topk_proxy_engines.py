@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_arpo.workers.rollout import branching
+from verl_arpo.algos import branching
 from verl_arpo.workers.rollout.engines import GenRequest, SamplingParams
 from verl_arpo.workers.rollout.engines.hf_engine import HFEngine
 from verl_arpo.workers.rollout.engines.vllm_engine import VLLMEngine

@@ -305,7 +305,7 @@ def test_main_with_a_bad_value_exits_quickly_without_ray(paths, tmp_path):
 def test_user_keys_keep_their_meaning_and_worker_sizes_are_derived(good):
     """[issue 32, item 2] Nothing rewrites a user key: ppo_mini_batch_size stays in prompts, and what a
     worker runs (trajectories per worker) is a field of JobConfig.derived, computed there alone."""
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([
         "actor_rollout_ref.actor.max_grad_norm=0.5", "actor_rollout_ref.rollout.log_prob_micro_batch_size=16",
@@ -328,7 +328,7 @@ def test_sequence_parallel_keys_their_rules_and_derived_sizes(good):
     """[issue 35] verl's ulysses_sequence_parallel_size keys: the ranks form dp × sp groups, so S divides
     them, sizes per worker are per data-parallel replica and token budgets per GPU hold S× per micro-batch;
     the reference shares the actor's mesh; a packed row is what S ranks split."""
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     A = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     on = ["actor_rollout_ref.model.use_remove_padding=true", f"{A}=2", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
@@ -370,7 +370,7 @@ def test_whether_a_kl_term_is_active_is_derived_once(good, use_kl_loss, kl_loss_
                                                       want_loss, want_reward):
     """[issue 15, 32] The trainer (reference forward), the workers (reference model) and the actor (KL
     loss) all read these two derived flags; the user's keys stay as given."""
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     cfg = OmegaConf.merge(good, OmegaConf.from_dotlist([
         f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}", f"actor_rollout_ref.actor.kl_loss_coef={kl_loss_coef}",
@@ -534,7 +534,7 @@ def test_the_readme_shows_the_real_config_error_format():
 
 def test_verl_keys_users_carry_over_are_accepted():
     """Keys of current verl that used to fail with "Key not in struct"."""
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     cfg = compose("cpu_tiny", ("actor_rollout_ref.model.path=/m", "trainer.val_only=true",
                                "+data.apply_chat_template_kwargs.enable_thinking=false",
@@ -579,7 +579,7 @@ def test_init_ray_local_and_join(good, monkeypatch):  # a fake ray module: start
     monkeypatch.setitem(sys.modules, "ray", fake)
     cfg = compose("cpu_tiny", ["+ray_init.runtime_env.env_vars.MY_VAR=1",
                                "+ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM=true"])
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     job = JobConfig.from_mapping(cfg)
     assert main_ppo.init_ray(job) is True and main_ppo.init_ray(job) is False  # second call: already up

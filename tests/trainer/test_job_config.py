@@ -1,4 +1,4 @@
-"""The typed config (verl_arpo.utils.job_config): the YAML and the dataclasses agree key by key and
+"""The typed config (verl_arpo.config): the YAML and the dataclasses agree key by key and
 default by default, every preset builds, unknown keys are named, every key is read by some code,
 and keys no code reads yet refuse a non-default value."""
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from verl_arpo.utils import job_config as jc
+import verl_arpo.config as jc
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -165,8 +165,10 @@ def test_the_yaml_comment_of_every_refused_key_says_so():
 
 # ------------------------------------------------------------------------------------------- types (issue 32)
 def _problems(tree):
+    from verl_arpo.trainer.config import validate_config   # the config's rules + the registry names
+
     with pytest.raises(jc.ConfigError) as info:
-        jc.JobConfig.checked(tree)
+        validate_config(tree)
     return dict(info.value.problems)
 
 
@@ -204,6 +206,11 @@ def test_a_type_problem_silences_its_sections_rules_but_not_the_others():
                      "algorithm": {"adv_estimator": "ppo2"}})
     assert set(got) == {"actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.clip_ratio_c",
                         "algorithm.adv_estimator", "actor_rollout_ref.model.path"}, got
+    # the config package alone knows no registry (it sits below the algorithms): the root adds the names
+    with pytest.raises(jc.ConfigError) as info:
+        jc.JobConfig.checked({"actor_rollout_ref": {"model": {"path": "/no/such/model"}},
+                              "algorithm": {"adv_estimator": "ppo2"}})
+    assert "algorithm.adv_estimator" not in dict(info.value.problems)
     # the same tree with a good n: the rollout and cross-section rules run again
     got = _problems({"actor_rollout_ref": {"model": {"path": "/no/such/model"}, "rollout": {"n": 1, "initial_rollouts": 2}}})
     assert "actor_rollout_ref.rollout.initial_rollouts" in got and "larger than rollout.n=1" in \
@@ -222,8 +229,7 @@ def test_unresolved_interpolations_and_missing_values_are_named():
 
 def test_choice_lists_come_from_the_configs_literals():
     """One list of accepted names: the modules that act on a choice take it from the config's type."""
-    from verl_arpo.trainer.ppo import core_algos, rollout_mismatch
-    from verl_arpo.workers.rollout import branching
+    from verl_arpo.algos import branching, core_algos, rollout_mismatch
     from verl_arpo.workers.rollout.engines import base
 
     hints = typing.get_type_hints
@@ -238,7 +244,7 @@ def test_components_take_typed_sections_only():
     """No component re-builds a config from a mapping (issue 32, goal 3): a dict is a TypeError naming
     validate_config, not a second, looser reading of the same keys."""
     from verl_arpo.trainer.ppo.ray_trainer import run_ppo
-    from verl_arpo.utils.reward_manager import load_reward_manager
+    from verl_arpo.workers.reward_manager import load_reward_manager
 
     for call in (lambda: run_ppo({"trainer": {}}), lambda: load_reward_manager({}, None)):
         with pytest.raises(TypeError, match="validate_config"):

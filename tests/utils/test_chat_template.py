@@ -21,7 +21,7 @@ def test_rl_dataset_sft_and_eval_render_with_the_configured_template(tok, tiny_m
     from verl_arpo.trainer.sft_data import tokenize_conversation
     from verl_arpo.utils.chat_template import configure_chat_template
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
-    from verl_arpo.utils.job_config import DataConfig
+    from verl_arpo.config import DataConfig
 
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     want = "<user>What is 2+2?</user><assistant>NOTHINK"

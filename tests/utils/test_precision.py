@@ -44,7 +44,7 @@ def _job(*overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     with initialize_config_dir(config_dir=str(root / "configs"), version_base=None):

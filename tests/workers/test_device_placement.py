@@ -142,7 +142,7 @@ def test_critic_runs_with_a_device_model_and_returns_host_tensors(tiny_model_dir
 
 def test_driver_side_advantages_on_what_the_workers_return(causal_lm):
     """The driver computes advantages from worker outputs and its own masks: all on the host."""
-    from verl_arpo.trainer.ppo import core_algos
+    from verl_arpo.algos import core_algos
     from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 
     data = _batch(causal_lm.config.vocab_size)

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import find_free_port
-from verl_arpo.trainer.ppo.core_algos import get_policy_loss_fn
+from verl_arpo.algos.core_algos import get_policy_loss_fn
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.sharded_model import enable_activation_checkpointing
-from verl_arpo.utils.job_config import ActorConfig, PolicyLossConfig
+from verl_arpo.config import ActorConfig, PolicyLossConfig
 from worker_configs import actor_kwargs, log_probs
 
 P, R = 6, 8
@@ -406,7 +406,7 @@ def test_kl_loss_with_zero_weight_is_off(model):
     """[issue 15] The seeds' scripts set use_kl_loss=True with kl_loss_coef=0: the update must not read
     ref_log_prob (the trainer skipped the reference forward), give exactly the use_kl_loss=False
     gradient, and log no KL metrics. The same rule decides JobConfig.derived.kl_loss_active."""
-    from verl_arpo.trainer.ppo.core_algos import kl_term_active
+    from verl_arpo.algos.core_algos import kl_term_active
 
     data = make_batch(model.config.vocab_size, seed=6)
     data.batch.pop("ref_log_prob")

@@ -39,7 +39,7 @@ def _trainer_and_worker(model_dir, data_dir, out_dir, free_cache_engine: bool):
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
-    from verl_arpo.utils.reward_manager import load_reward_manager
+    from verl_arpo.workers.reward_manager import load_reward_manager
     from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker
 
     overrides = [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data_dir}/train.parquet",

@@ -30,7 +30,7 @@ def _rank(rank, world, port, model_dir, data_path, out_path):
     from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
     from verl_arpo.workers.optim_step import build_adamw, move_optimizer_state
     from verl_arpo.workers.sharded_model import load_causal_lm, shard_fsdp2
-    from verl_arpo.utils.job_config import OptimConfig
+    from verl_arpo.config import OptimConfig
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

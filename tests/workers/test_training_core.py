@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.config import OptimConfig
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
 from verl_arpo.workers.sharded_model import attn_implementation, fsdp_mixed_precision
 

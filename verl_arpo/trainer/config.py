@@ -4,8 +4,10 @@
     mask_secrets(cfg)            a plain dict safe to print or log (API keys, tokens, passwords → ***)
     resolve_device(device)       trainer.device=auto → cuda when the Ray cluster (or this machine) has a GPU
 
-The rules themselves live with the typed sections (utils/job_config: each section's `problems()`,
-and `JobConfig.problems` for the rules across sections); this module is the trainer's door to them.
+The rules themselves live with the typed sections (verl_arpo/config: each section's `problems()`,
+and `JobConfig.problems` for the rules across sections); this module is the trainer's door to them and
+adds the one kind of rule the config cannot hold: that a key names a registered algorithm
+(`registered_names`: the algorithms sit above the config).
 Batch sizes follow verl: the user gives `data.train_batch_size` and `actor.ppo_mini_batch_size` in
 *prompts*; each prompt becomes `rollout.n` trajectories (ARPO's branches fill the group up to n), and
 the trajectories are split over `trainer.n_gpus_per_node × trainer.nnodes` workers. The keys keep
@@ -24,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verl_arpo.utils.job_config import ConfigError, JobConfig
-from verl_arpo.utils.job_config.run import Device
-from verl_arpo.utils.job_config.typed import choices
+from verl_arpo.config import ConfigError, JobConfig, RegisteredNames
+from verl_arpo.config.run import Device
+from verl_arpo.config.typed import choices
 from verl_arpo.utils.resources import bundled_root, resolve_bundled
 from verl_arpo.utils.secrets import SECRET_ENV_VARS, MASK, is_secret_key, mask_secrets, mask_text  # noqa: F401
 from verl_arpo.utils.tracking import LOGGER_BACKENDS, parse_logger
@@ -46,10 +48,23 @@ def resolve_project_path(path: str | os.PathLike) -> Path:
     return resolve_bundled(path)
 
 
+def registered_names() -> RegisteredNames:
+    """The config keys that name an algorithm, with the registries that hold the names (the algorithms
+    register themselves in verl_arpo/algos; the config package sits below them and cannot look)."""
+    from verl_arpo.algos.branching import BRANCH_RULES
+    from verl_arpo.algos.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
+
+    return {"algorithm.adv_estimator": (ADV_ESTIMATOR_REGISTRY, ""),
+            "actor_rollout_ref.actor.policy_loss.loss_mode": (POLICY_LOSS_REGISTRY, ""),
+            "actor_rollout_ref.rollout.branch_rule": (BRANCH_RULES, " (aepo: AEPO's threshold rule with the "
+                                                      "consecutive-branch penalty; arpo: ARPO's branch probability)")}
+
+
 def validate_config(cfg: Any, on_typed: Callable[[JobConfig], None] | None = None) -> JobConfig:
     """The typed config built from a composed tree (or a mapping, or a JobConfig checked again), or a
-    ConfigError listing every bad value (key, problem, fix); `on_typed` as in `JobConfig.checked`."""
-    return JobConfig.checked(cfg, on_typed)
+    ConfigError listing every bad value (key, problem, fix), registry names included; `on_typed` as in
+    `JobConfig.checked`."""
+    return JobConfig.checked(cfg, on_typed, names=registered_names())
 
 
 # ------------------------------------------------------------------------------------------------

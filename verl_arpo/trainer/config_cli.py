@@ -24,7 +24,7 @@ from dataclasses import fields, is_dataclass
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_arpo.utils.job_config import ConfigError, JobConfig
+from verl_arpo.config import ConfigError, JobConfig
 from verl_arpo.utils.secrets import mask_secrets, mask_text
 
 __all__ = ["CFG_TYPES", "PAGE_FLAGS", "parse_cli", "print_config", "print_masked_page", "check_keys", "known_keys"]

@@ -55,7 +55,7 @@ import numpy as np
 
 from verl_arpo.trainer.ppo.metrics import pass_at_k  # noqa: F401  (one pass@k: validation's, re-exported)
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
-from verl_arpo.utils.job_config import ROLLOUT_MODES
+from verl_arpo.config import ROLLOUT_MODES
 
 logger = logging.getLogger("verl_arpo.eval")
 
@@ -249,7 +249,7 @@ def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int,
     """k trajectories per row: [{text, num_tool_calls, tool_tags, finish_reason}] per row. In the
     hermes format `text` is the final assistant turn (what is scored, as in training) and
     `tool_tags` the function names."""
-    from verl_arpo.utils.reward_manager import final_turn_start
+    from verl_arpo.workers.reward_manager import final_turn_start
 
     hermes = getattr(getattr(loop, "format", None), "name", "tags") == "hermes"
     tools = loop.format.schemas if hermes else None
@@ -283,10 +283,10 @@ def score_samples(rows: list[dict], generations: list[list[dict]], reward_fn, th
                   judge: LLMJudge | None = None, score_timeout: float | None = 600.0) -> None:
     """Add score / rule_correct / judge / correct to every sample (in place).
 
-    Scoring runs in the reward manager's worker processes (utils/reward_manager.py): a scorer stuck
+    Scoring runs in the reward manager's worker processes (workers/reward_manager.py): a scorer stuck
     past `score_timeout` seconds, even in C code, is killed and the evaluation ends naming the
     sample. A scorer's exception scores that sample 0; a NaN or infinite score too, counted."""
-    from verl_arpo.utils.reward_manager import NaiveRewardManager
+    from verl_arpo.workers.reward_manager import NaiveRewardManager
     from verl_arpo.utils.reward_score.custom import TolerantScore
 
     pairs = [(row, s) for row, samples in zip(rows, generations) for s in samples]
@@ -362,7 +362,7 @@ def build_loop(args, tokenizer, engine=None):
     """AgentLoop over the engine of `--engine` (or the one given) and the tools of `--tools`."""
     import dataclasses
 
-    from verl_arpo.utils.job_config import MultiTurnConfig, RolloutSection
+    from verl_arpo.config import MultiTurnConfig, RolloutSection
     from verl_arpo.workers.rollout import build_agent_loop
     from verl_arpo.workers.rollout.engines import build_engine
     from verl_arpo.workers.rollout.tools import ToolExecutor

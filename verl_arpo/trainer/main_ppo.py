@@ -31,7 +31,7 @@ from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
 from verl_arpo.trainer.local_ray import LocalRayHead
 from verl_arpo.utils.resources import config_dir
 from verl_arpo.utils.secrets import secret_env_vars
-from verl_arpo.utils.job_config import JobConfig
+from verl_arpo.config import JobConfig
 
 CONFIG_DIR = config_dir()
 """Absolute path of the repository's configs/ folder (Hydra's default --config-path)."""
@@ -204,7 +204,7 @@ def run_refusal(exc: BaseException) -> tuple[int, str] | None:
     from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
     from verl_arpo.trainer.ppo.tool_outages import ToolOutageError
     from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
-    from verl_arpo.utils.checkpoint_integrity import RunDirLockedError
+    from verl_arpo.utils.checkpoint.integrity import RunDirLockedError
 
     chain = []
     while exc is not None and len(chain) < 8:   # the trainer's guard wraps a worker error in its own

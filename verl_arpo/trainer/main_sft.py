@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_arpo.trainer.sft_data import read_records, record_tools, to_messages, tokenize_conversation
 from verl_arpo.utils.chat_template import configure_chat_template
 from verl_arpo.utils.device import without_cudnn_attention
-from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.config import OptimConfig
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
 from verl_arpo.workers.sharded_model import load_causal_lm, shard_fsdp2
 

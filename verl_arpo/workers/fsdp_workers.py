@@ -24,7 +24,7 @@ from verl_arpo.protocol import DataProto
 from verl_arpo.single_controller.base import Worker
 from verl_arpo.single_controller.decorator import Dispatch, register
 from verl_arpo.utils.device import get_device_name, release_device_cache, set_local_device
-from verl_arpo.utils.job_config import ActorRolloutRefConfig, CriticConfig, Derived
+from verl_arpo.config import ActorRolloutRefConfig, CriticConfig, Derived
 from verl_arpo.workers.host_memory import HOST_MEMORY, memory_metrics, release_host_memory
 from verl_arpo.utils.ulysses import build_sequence_parallel
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, move_optimizer_state

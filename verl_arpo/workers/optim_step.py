@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.config import OptimConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from verl_arpo.utils.job_config import resolve_model_dtype
+from verl_arpo.config import resolve_model_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 
 def model_dtype(value: str | None, trained: bool, device_type: str) -> torch.dtype:
-    """The torch dtype of job_config.resolve_model_dtype: the weights as loaded and sharded."""
+    """The torch dtype of config.resolve_model_dtype: the weights as loaded and sharded."""
     return getattr(torch, resolve_model_dtype(value, trained, device_type))
 
 

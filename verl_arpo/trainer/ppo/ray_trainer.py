@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.trainer.ppo import core_algos
+from verl_arpo.algos import core_algos
 from verl_arpo.utils.dataset.batch_order import epoch_order
 from verl_arpo.trainer.config import resolve_device
 from verl_arpo.trainer.ppo.trainer_checkpoints import TrainerCheckpoints
-from verl_arpo.utils.job_config import JobConfig
+from verl_arpo.config import JobConfig
 from verl_arpo.trainer.ppo.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -143,7 +143,7 @@ class RayPPOTrainer(TrainerCheckpoints):
         self._acquire_run_lock()
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl_arpo.single_controller.ray.resource_pool import ClusterTooSmallError
-        from verl_arpo.utils.job_config import ConfigError
+        from verl_arpo.config import ConfigError
         from verl_arpo.utils.device import cuda_worker_env
         from verl_arpo.utils.secrets import secret_env_vars
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
@@ -490,7 +490,7 @@ def run_ppo(config: JobConfig, keep_workers: bool = False):
     from transformers import AutoTokenizer
 
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
-    from verl_arpo.utils.reward_manager import load_reward_manager
+    from verl_arpo.workers.reward_manager import load_reward_manager
 
     config = _typed(config)
     for line in slow_bf16_keys(config):

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def _write_fingerprint(step_dir: str, fingerprint: dict) -> None:
     import json
 
-    from verl_arpo.utils.checkpoint_integrity import FINGERPRINT_FILE
+    from verl_arpo.utils.checkpoint.integrity import FINGERPRINT_FILE
 
     with open(os.path.join(step_dir, FINGERPRINT_FILE), "w") as f:
         json.dump(fingerprint, f, indent=1)
@@ -38,7 +38,7 @@ class TrainerCheckpoints:
     def _acquire_run_lock(self) -> None:
         """Before anything slow starts: a second run on the same default_local_dir is refused in
         seconds, naming the holder, not after its whole start-up."""
-        from verl_arpo.utils.checkpoint_integrity import RunDirLock
+        from verl_arpo.utils.checkpoint.integrity import RunDirLock
 
         if self._run_lock is None:
             self._run_lock = RunDirLock(self._ckpt_root()).acquire()
@@ -91,7 +91,7 @@ class TrainerCheckpoints:
         """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
         from verl_arpo.utils.checkpoint import (COMPLETE_MARKER, find_resumable_checkpoint, list_checkpoints,
                                                 load_dataloader_state)
-        from verl_arpo.utils.checkpoint_integrity import verify_checkpoint
+        from verl_arpo.utils.checkpoint.integrity import verify_checkpoint
 
         mode = self.config.trainer.resume_mode
         if mode == "disable":
@@ -139,9 +139,9 @@ class TrainerCheckpoints:
 
     @functools.cached_property
     def fingerprint(self) -> dict:
-        """This run's model, data and algorithm (checkpoint_integrity.run_fingerprint), computed once:
+        """This run's model, data and algorithm (checkpoint.integrity.run_fingerprint), computed once:
         it reads every weight file whole (~2 s for the quickstart's 0.5 GB here)."""
-        from verl_arpo.utils.checkpoint_integrity import run_fingerprint
+        from verl_arpo.utils.checkpoint.integrity import run_fingerprint
 
         return run_fingerprint(self.config)
 
@@ -150,7 +150,7 @@ class TrainerCheckpoints:
         overrides); checkpoints without a fingerprint (older versions) resume with a warning."""
         import json
 
-        from verl_arpo.utils.checkpoint_integrity import FINGERPRINT_FILE, fingerprint_differences
+        from verl_arpo.utils.checkpoint.integrity import FINGERPRINT_FILE, fingerprint_differences
 
         saved_file = os.path.join(path, FINGERPRINT_FILE)
         if not os.path.isfile(saved_file):

@@ -6,8 +6,8 @@ offline reading. One module per job:
     offline.py    reading a checkpoint in one process (merge tool, evaluation)
     hf_files.py   Hugging Face weight files (tied keys, sharded safetensors)
 
-Loading never runs code from a checkpoint (utils/checkpoint_safe_load.py); the manifest and the run
-lock are in utils/checkpoint_integrity.py.
+Loading never runs code from a checkpoint (utils/checkpoint/safe_load.py); the manifest and the run
+lock are in utils/checkpoint/integrity.py.
 
 Layout (directory names as in verl, so scripts and users find things where they expect them):
 

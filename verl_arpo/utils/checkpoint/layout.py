@@ -15,8 +15,8 @@ import time
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from verl_arpo.utils.checkpoint_integrity import build_manifest, find_intact_checkpoint
-from verl_arpo.utils.checkpoint_safe_load import safe_torch_load
+from verl_arpo.utils.checkpoint.integrity import build_manifest, find_intact_checkpoint
+from verl_arpo.utils.checkpoint.safe_load import safe_torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def find_latest_ckpt_path(root: str | None) -> str | None:
 
 def find_resumable_checkpoint(root: str | None) -> str | None:
     """The newest complete checkpoint under `root` whose files match their recorded sizes and
-    checksums; damaged newer ones are skipped with a warning (checkpoint_integrity.py)."""
+    checksums; damaged newer ones are skipped with a warning (integrity.py)."""
     return find_intact_checkpoint(list_checkpoints(root), COMPLETE_MARKER) if root else None
 
 

@@ -27,7 +27,7 @@ from verl_arpo.utils.checkpoint.hf_files import save_hf_safetensors, tied_duplic
 from verl_arpo.utils.checkpoint.layout import (FORMAT, META_FILE, CheckpointSaveError, atomic_write_text,
                                                save_failure_message)
 from verl_arpo.utils.checkpoint.offline import quiet_single_process, read_checkpoint_meta
-from verl_arpo.utils.checkpoint_safe_load import safe_dcp_load, safe_torch_load
+from verl_arpo.utils.checkpoint.safe_load import safe_dcp_load, safe_torch_load
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from verl_arpo.utils.checkpoint.layout import META_FILE
-from verl_arpo.utils.checkpoint_safe_load import SafeFileSystemReader, safe_dcp_load
+from verl_arpo.utils.checkpoint.safe_load import SafeFileSystemReader, safe_dcp_load
 
 
 @contextlib.contextmanager

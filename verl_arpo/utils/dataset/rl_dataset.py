@@ -1,7 +1,7 @@
 """RLHFDataset: prompts from one or several parquet files, tokenised with the chat template.
 
 `RLHFDataset(data_files, tokenizer, config)` (verl's name and arguments). `config` is the typed `data`
-section (`job_config.DataConfig`; None = its defaults, which are the YAML's, docs/configuration.md):
+section (`config.DataConfig`; None = its defaults, which are the YAML's, docs/configuration.md):
 - `prompt_key`: the column holding the prompt;
 - `max_prompt_length`: prompts are left-padded to this many tokens;
 - `truncation`: for a longer prompt, "error" raises (naming the file and row), "left" keeps its
@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
-from verl_arpo.utils.job_config import DataConfig
+from verl_arpo.config import DataConfig
 from verl_arpo.utils.resources import resolve_bundled
 
 from .schema import apply_system_prompt, normalize_row, repair_backspace
@@ -120,7 +120,7 @@ class RLHFDataset(Dataset):
         if config is None:
             config = DataConfig()
         if not isinstance(config, DataConfig):
-            raise TypeError(f"RLHFDataset: config is the typed data section (job_config.DataConfig), got "
+            raise TypeError(f"RLHFDataset: config is the typed data section (config.DataConfig), got "
                             f"{type(config).__name__}; build it with validate_config(cfg).data")
         self.tokenizer = tokenizer
         self.prompt_key = config.prompt_key

@@ -34,10 +34,10 @@ from collections import defaultdict
 
 import torch
 
-from verl_arpo.trainer.ppo.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
-from verl_arpo.trainer.ppo.rollout_mismatch import mismatch_metrics, rollout_is_weights
+from verl_arpo.algos.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
+from verl_arpo.algos.rollout_mismatch import mismatch_metrics, rollout_is_weights
 from verl_arpo.utils.device import without_cudnn_attention
-from verl_arpo.utils.job_config import ActorConfig, Batching
+from verl_arpo.config import ActorConfig, Batching
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,

@@ -22,9 +22,9 @@ from collections import defaultdict
 
 import torch
 
-from verl_arpo.trainer.ppo.core_algos import compute_value_loss
+from verl_arpo.algos.core_algos import compute_value_loss
 from verl_arpo.utils.device import without_cudnn_attention
-from verl_arpo.utils.job_config import Batching, CriticConfig
+from verl_arpo.config import Batching, CriticConfig
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.optim_step import clip_grad_and_step

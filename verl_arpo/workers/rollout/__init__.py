@@ -2,7 +2,7 @@
 the engines and the tools. `build_agent_loop` lives here, above both loop modules, so neither
 imports the other's factory."""
 
-from verl_arpo.utils.job_config import ROLLOUT_MODES, RolloutSection
+from verl_arpo.config import ROLLOUT_MODES, RolloutSection
 
 __all__ = ["build_agent_loop"]
 

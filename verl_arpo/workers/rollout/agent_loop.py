@@ -47,10 +47,10 @@ import numpy as np
 import torch
 
 from verl_arpo.protocol import DataProto, as_object_array
-from verl_arpo.utils.job_config import RolloutSection
+from verl_arpo.config import RolloutSection
 from verl_arpo.utils.progress import Progress
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
-from verl_arpo.workers.rollout import branching
+from verl_arpo.algos import branching
 from verl_arpo.workers.rollout.engines.base import GenRequest, SamplingParams
 from verl_arpo.workers.rollout.tool_formats import ToolCall, build_format
 
@@ -130,7 +130,7 @@ class AgentLoop:
         rollout.seed × 1000 + rank; the step enters per call). chat_template_kwargs:
         data.apply_chat_template_kwargs (the hermes format renders tool messages with them)."""
         if not isinstance(config, RolloutSection):
-            raise TypeError(f"AgentLoop: config is the typed rollout section (job_config.RolloutSection), got "
+            raise TypeError(f"AgentLoop: config is the typed rollout section (config.RolloutSection), got "
                             f"{type(config).__name__}")
         branching.get_branch_rule(config.branch_rule)  # an unknown name fails here, naming the choices
         self.engine, self.tokenizer, self.executor, self.cfg = engine, tokenizer, executor, config

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterable, Sequence
 
-from verl_arpo.utils.job_config.rollout import ROLLOUT_NAMES
+from verl_arpo.config.rollout import ROLLOUT_NAMES
 
 FINISH_REASONS = ("eos", "stop", "length")
 ENGINE_NAMES = ROLLOUT_NAMES   # the config's Literal: one list of accepted names

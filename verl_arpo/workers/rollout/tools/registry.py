@@ -46,7 +46,7 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from verl_arpo.utils.job_config import ToolsConfig, from_mapping
+from verl_arpo.config import ToolsConfig, from_mapping
 from verl_arpo.workers.rollout.tools.base_tool import (
     BaseTool,
     FunctionCall,

@@ -17,7 +17,7 @@ mounted elsewhere). Every file is therefore read as data:
 
 What this defends: a planted or altered file cannot execute anything while it is read; the load
 fails with an error naming the file. What it does not defend: the values themselves. A file that
-holds other valid weights loads them; the CRC-32 manifest (checkpoint_integrity) catches accidental
+holds other valid weights loads them; the CRC-32 manifest (integrity.py) catches accidental
 damage, not a deliberate rewrite of file and manifest together.
 """
 

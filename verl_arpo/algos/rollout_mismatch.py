@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from verl_arpo.utils.job_config.run import RolloutISLevel, RolloutISMode
-from verl_arpo.utils.job_config.typed import choices
+from verl_arpo.config.run import RolloutISLevel, RolloutISMode
+from verl_arpo.config.typed import choices
 from verl_arpo.utils.torch_functional import masked_mean
 
 __all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES", "mismatch_metrics", "rollout_is_weights"]

@@ -66,7 +66,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from verl_arpo.utils.job_config import JobConfig
+from verl_arpo.config import JobConfig
 from verl_arpo.utils.reward_score import default_compute_score
 from verl_arpo.utils.reward_score.custom import (CustomRewardFunction, ScoringFailure,
                                                  load_custom_reward_function, score_items)

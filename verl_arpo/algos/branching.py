@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from verl_arpo.utils.job_config.rollout import EntropyMode
-from verl_arpo.utils.job_config.typed import choices
+from verl_arpo.config.rollout import EntropyMode
+from verl_arpo.config.typed import choices
 
 ENTROPY_MODES = choices(EntropyMode)   # the config's Literal: one list of accepted names
 

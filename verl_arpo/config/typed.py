@@ -160,7 +160,7 @@ def _convert(value: Any, typ: Any, hint: str) -> Any:
         if isinstance(value, (list, tuple)):
             return tuple(value)
         raise ValueError(f"must be a list, got {value!r}")
-    raise TypeError(f"config field type {typ!r} has no rule in job_config/typed.py")  # a programming error
+    raise TypeError(f"config field type {typ!r} has no rule in config/typed.py")  # a programming error
 
 
 def _value(value: Any, typ: Any, hint: str) -> Any:

@@ -3,18 +3,18 @@
 The YAML stays the user-facing reference (Hydra composes it with the presets and the command line;
 `--cfg job` prints it; docs/configuration.md is generated from its comments). Right after Hydra
 composes, the tree is turned into a `JobConfig` once (`JobConfig.checked`): every value is checked
-against its field's type (job_config/typed.py), then against the value rules, and every problem is
+against its field's type (config/typed.py), then against the value rules, and every problem is
 reported at once as a ConfigError naming the key and the fix. That object is what the summary, Ray
 start-up, the trainer and the workers read: no `.get(key, default)` in the code that uses it, so a
 default lives in exactly two places that a test keeps equal, the YAML and the dataclass field.
 
-    JobConfig                                        job_config/__init__.py (this file)
-      data               DataConfig                  job_config/run.py
+    JobConfig                                        config/__init__.py (this file)
+      data               DataConfig                  config/run.py
       actor_rollout_ref  ActorRolloutRefConfig
-        model, actor (optim, fsdp_config, ...), ref  job_config/training.py
-        rollout          RolloutSection              job_config/rollout.py
-      critic             CriticConfig                job_config/training.py
-      reward_model, custom_reward_function, algorithm, ray_init, trainer   job_config/run.py
+        model, actor (optim, fsdp_config, ...), ref  config/training.py
+        rollout          RolloutSection              config/rollout.py
+      critic             CriticConfig                config/training.py
+      reward_model, custom_reward_function, algorithm, ray_init, trainer   config/run.py
 
 Where a rule lives: a rule on one section's keys is that section's `problems(where)`; a rule that
 reads several sections (batch sizes against the worker count, token budgets against the lengths,
@@ -36,18 +36,18 @@ mapping).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
-from verl_arpo.utils.job_config.rollout import (ROLLOUT_MODES, ROLLOUT_NAMES, VLLM_ONLY_KEYS, MultiTurnConfig,
+from verl_arpo.config.rollout import (ROLLOUT_MODES, ROLLOUT_NAMES, VLLM_ONLY_KEYS, MultiTurnConfig,
                                                 RolloutSection, ToolsConfig, ValKwargs)
-from verl_arpo.utils.job_config.run import (AlgorithmConfig, CustomRewardFunctionConfig, DataConfig, KLCtrlConfig,
+from verl_arpo.config.run import (AlgorithmConfig, CustomRewardFunctionConfig, DataConfig, KLCtrlConfig,
                                             RayInitConfig, RewardModelConfig, TrainerConfig)
-from verl_arpo.utils.job_config.training import (MODEL_DTYPE_NAMES, ActorConfig, CheckpointConfig, CriticConfig,
+from verl_arpo.config.training import (MODEL_DTYPE_NAMES, ActorConfig, CheckpointConfig, CriticConfig,
                                                  CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig,
                                                  PolicyLossConfig, RefConfig, RefFSDPConfig, resolve_model_dtype)
-from verl_arpo.utils.job_config.typed import ConfigError, Problems, build, choices, from_mapping, plain_tree, to_dict
+from verl_arpo.config.typed import ConfigError, Problems, build, choices, from_mapping, plain_tree, to_dict
 from verl_arpo.utils.chat_template import load_chat_template
 
 __all__ = ["ConfigError", "JobConfig", "Derived", "Batching", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
@@ -208,7 +208,8 @@ class JobConfig:
         return from_mapping(cls, data, "")
 
     @classmethod
-    def checked(cls, data: Any, on_typed: Callable[["JobConfig"], None] | None = None) -> "JobConfig":
+    def checked(cls, data: Any, on_typed: Callable[["JobConfig"], None] | None = None,
+                names: "RegisteredNames | None" = None) -> "JobConfig":
         """Build and check: every type problem and every value rule at once, as one ConfigError, or the
         config. A section with a type problem skips its value rules (its bad value was replaced by the
         default, and a rule on that default would only mislead), and so do the cross-section rules.
@@ -223,20 +224,22 @@ class JobConfig:
             job, typing_problems = build(cls, tree, "")
         if on_typed is not None and not typing_problems:
             on_typed(job)
-        problems = typing_problems + job.problems(skip=[key for key, _ in typing_problems])
+        problems = typing_problems + job.problems(skip=[key for key, _ in typing_problems], names=names)
         if problems:
             raise ConfigError(problems)
         return job
 
-    def problems(self, skip: list[str] = ()) -> Problems:
+    def problems(self, skip: list[str] = (), names: "RegisteredNames | None" = None) -> Problems:
         """The value rules, section by section and then across sections; `skip` lists keys with a type
-        problem (their sections, and the cross-section rules, are not checked)."""
+        problem (their sections, and the cross-section rules, are not checked); `names` the keys that
+        must name a registry entry (RegisteredNames), checked with their sections."""
         out: Problems = []
         for where, section in _sections(self, ""):
             # the critic's rules count only when a critic is built (adv_estimator=gae: below)
-            if where and where.split(".")[0] != "critic" and hasattr(section, "problems") \
+            if where and where.split(".")[0] != "critic" \
                     and not any(k == where or k.startswith(where + ".") for k in skip):
-                out += section.problems(where)
+                out += section.problems(where) if hasattr(section, "problems") else []
+                out += _unknown_names(section, where, names or {})
         if not skip:
             out += self._cross_section_problems() + not_implemented_problems(self)
         return out
@@ -272,6 +275,22 @@ class JobConfig:
                 out.append(("trainer.device", "cuda requested but no CUDA device is visible: use trainer.device=cpu "
                             "or auto"))
         return out
+
+
+RegisteredNames = Mapping[str, tuple[Collection[str], str]]
+"""Dotted key → (the names its registry holds, a hint printed after them). The registries live above the
+config (the algorithms register themselves where they are defined), so the composition root hands them
+in: `verl_arpo.trainer.config.registered_names()`."""
+
+
+def _unknown_names(section: Any, where: str, names: RegisteredNames) -> Problems:
+    """A problem for each key of `section` (at `where`) in `names` whose value its registry does not hold."""
+    out: Problems = []
+    for key, (accepted, hint) in names.items():
+        parent, leaf = key.rsplit(".", 1)
+        if parent == where and (value := getattr(section, leaf)) not in accepted:
+            out.append((key, f"unknown {value!r}; accepted: {sorted(accepted)}{hint}"))
+    return out
 
 
 def _sections(obj: Any, where: str):

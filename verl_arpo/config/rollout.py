@@ -10,7 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl_arpo.utils.job_config.typed import Problems, choices
+from verl_arpo.config.typed import Problems, choices
 
 RolloutName = Literal["hf", "vllm"]
 ROLLOUT_NAMES = choices(RolloutName)
@@ -114,7 +114,7 @@ class RolloutSection:
     n: int = 1
     initial_rollouts: int | None = None
     beam_size: int = 2
-    branch_rule: str = "arpo"  # a name in branching.BRANCH_RULES (checked by problems)
+    branch_rule: str = "arpo"  # a name in algos.branching.BRANCH_RULES (checked by trainer.config.validate_config)
     branch_probability: float = 0.5
     entropy_weight: float = 0.2
     entropy_mode: EntropyMode = "topk_proxy"
@@ -136,9 +136,6 @@ class RolloutSection:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def problems(self, where: str) -> Problems:
-        # the branch rules register themselves where they are defined; read at check time only
-        from verl_arpo.workers.rollout.branching import BRANCH_RULES
-
         out = []
         if self.name == "vllm" and importlib.util.find_spec("vllm") is None:
             out.append((f"{where}.name", "vllm is not installed here: install it, or use actor_rollout_ref.rollout.name=hf"))
@@ -160,9 +157,6 @@ class RolloutSection:
                         "trajectories), or null to never stop"))
         if not 0.0 <= self.branch_probability <= 1.0:
             out.append((f"{where}.branch_probability", "must be a number in [0, 1]"))
-        if self.branch_rule not in BRANCH_RULES:
-            out.append((f"{where}.branch_rule", f"unknown {self.branch_rule!r}; accepted: {sorted(BRANCH_RULES)} (aepo: "
-                        "AEPO's threshold rule with the consecutive-branch penalty; arpo: ARPO's branch probability)"))
         tp = self.tensor_model_parallel_size
         if tp < 1:
             out.append((f"{where}.tensor_model_parallel_size", "must be an integer >= 1"))

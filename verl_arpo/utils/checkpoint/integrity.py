@@ -12,7 +12,7 @@
   algorithm (advantage estimator, losses, branching). It is saved with every checkpoint;
   `fingerprint_differences` lists what changed, and the trainer refuses to resume across a change
   unless `trainer.force_resume=true` (docs/configuration.md, section `trainer`).
-- **Loading** never runs code from a checkpoint: checkpoint_safe_load.py.
+- **Loading** never runs code from a checkpoint: safe_load.py.
 
 CRC-32 (zlib) detects accidental corruption at several GB/s; it is not a defence against an
 attacker who can write the directory (safe loading is: a planted file is data).

@@ -1,4 +1,4 @@
-"""verl_arpo.utils.memory_estimate: parameter counts against transformers, and the update phase's
+"""verl_arpo.trainer.memory_estimate: parameter counts against transformers, and the update phase's
 arithmetic against measured host memory of a real FSDP2 update on CPU (fp32: dtype_bytes=4).
 
 The measured run: one gloo rank, a 4-layer model of ~234 MiB (wide MLP, so parameters dominate as
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 
-from verl_arpo.utils import memory_estimate as me
+from verl_arpo.trainer import memory_estimate as me
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group("gloo", rank=0, world_size=1)
 import transformers, peft  # noqa: F401  imports are not the job's memory
 from verl_arpo.protocol import DataProto
-from verl_arpo.utils.job_config import OptimConfig
+from verl_arpo.config import OptimConfig
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.host_memory import HOST_MEMORY
 from verl_arpo.workers.optim_step import build_adamw
@@ -81,7 +81,7 @@ attn = torch.ones(B, P + R, dtype=torch.long)
 data = DataProto.from_dict(tensors=dict(input_ids=ids, attention_mask=attn, position_ids=torch.arange(P + R).expand(B, -1).clone(),
     responses=ids[:, P:], response_mask=torch.ones(B, R), advantages=torch.randn(B, R, generator=g),
     old_log_probs=-torch.rand(B, R, generator=g)), meta_info={"temperature": 1.0})
-from verl_arpo.utils.job_config import Batching
+from verl_arpo.config import Batching
 actor = DataParallelPPOActor(None, model, opt, update=Batching(micro_batch=B, use_dynamic_bsz=False, max_token_len=B * (P + R),
                                                                mini_batch=B))
 actor.update_policy(data)

@@ -1,8 +1,8 @@
 """Per-GPU memory of a training job, phase by phase, from the model config and the job config (docs/gpu.md,
 "Memory estimate"). Nothing is loaded: the model is built on the meta device to count its parameters.
 
-    python -m verl_arpo.utils.memory_estimate --script scripts/ARPO_7B_Reasoning_1node.sh --model qwen2.5-7b
-    python -m verl_arpo.utils.memory_estimate --job job.yaml --model /path/to/hf_folder --gpu-gib 80
+    python -m verl_arpo.trainer.memory_estimate --script scripts/ARPO_7B_Reasoning_1node.sh --model qwen2.5-7b
+    python -m verl_arpo.trainer.memory_estimate --job job.yaml --model /path/to/hf_folder --gpu-gib 80
 
 `--script` runs a launch script with `--cfg job` (its own environment variables apply; placeholder paths
 are filled in when ACTOR_MODEL_PATH / SAVE_PATH are unset) and reads the composed config; `--job`
@@ -34,7 +34,7 @@ all-gathered at a time plus the next one prefetched; gradient checkpointing keep
 input; the logits of the response tokens exist once in the compute dtype, their gradient once, and
 the log-prob temporaries are float32 chunks (torch_functional.logprobs_from_logits). Activations
 other than those are an estimate (one layer's working set: attention projections and the MLP);
-`tests/utils/test_memory_estimate.py` checks the arithmetic against measured RSS on CPU.
+`tests/trainer/test_memory_estimate.py` checks the arithmetic against measured RSS on CPU.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class JobShape:
 
 def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
     """The numbers that decide memory, from a composed job config (`--cfg job` output, as a dict)."""
-    from verl_arpo.utils.job_config import JobConfig
+    from verl_arpo.config import JobConfig
 
     c = JobConfig.from_mapping(job)
     a, r, d = c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout, c.derived
@@ -144,9 +144,9 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
 
 
 def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
-    """Bytes per reference parameter, by the workers' own rule (job_config.resolve_model_dtype): null
+    """Bytes per reference parameter, by the workers' own rule (config.resolve_model_dtype): null
     is bf16 on CUDA (dtype_bytes 2), fp32 on the CPU."""
-    from verl_arpo.utils.job_config import resolve_model_dtype
+    from verl_arpo.config import resolve_model_dtype
 
     name = resolve_model_dtype(model_dtype, trained=False, device_type="cuda" if dtype_bytes == 2 else "cpu")
     return 2 if name == "bfloat16" else 4
