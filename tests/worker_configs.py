@@ -5,7 +5,7 @@ the section's batch sizes are the worker's own; for the agent loop its call limi
 from __future__ import annotations
 
 from verl_arpo.config import (ActorConfig, Batching, CriticConfig, RolloutSection, from_mapping,
-                                     kl_term_active)
+                              kl_term_active)
 
 
 def actor_kwargs(**keys) -> dict:

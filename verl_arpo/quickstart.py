@@ -1,7 +1,7 @@
 """The main job on the embedded default: a real small model learns to use tools, on a CPU.
 
     bash scripts/quickstart.sh            # = python -m verl_arpo.quickstart (after setting up .venv)
-    bash scripts/quickstart.sh --smoke    # ~3 minutes: the same stages at a small per-step shape (SMOKE)
+    bash scripts/quickstart.sh --smoke    # ~5 minutes: the same stages at a small per-step shape (SMOKE)
     bash scripts/quickstart.sh --tiny     # the random tiny model instead of SmolLM2 (plumbing check)
     bash scripts/quickstart.sh --out outputs/qs2 data.train_batch_size=9   # Hydra overrides of the RL stage
 
@@ -107,7 +107,7 @@ EXPECTED_SECONDS = {
     ("fp32", True): {"eval base": 27, "sft": 27, "eval sft": 29, "rl": 155, "merge": 11, "eval rl": 31},
     ("bf16", True): {"eval base": 22, "sft": 20, "eval sft": 24, "rl": 120, "merge": 11, "eval rl": 25},
 }
-"""Seconds each stage took on 2-core machines (docs/performance.md, "What the quickstart costs"), by
+"""Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
 (precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`)."""
 
 
@@ -334,7 +334,7 @@ class Quickstart:
                                         if self.times_file.exists() and not a.force else {})
         self.stale = a.force
         # (the tiny model's run is paced like a smoke run: the estimate corrects itself after a stage)
-        self.expected: dict[str, float] | None = EXPECTED_SECONDS[(self.precision, bool(a.smoke or a.tiny))]
+        self.expected: dict[str, float] = EXPECTED_SECONDS[(self.precision, bool(a.smoke or a.tiny))]
         self.ran_now: dict[str, float] = {}   # stage -> seconds, the stages this invocation ran
         self.wall: dict[str, float] = {}
         self.evals: dict[str, dict] = {}
@@ -356,7 +356,7 @@ class Quickstart:
         product = PRODUCTS.get(name)
         if product and self.done(self.out / product):
             say(f"{name}: reused (its outputs exist; --force redoes it)")
-        elif self.expected is not None and name in self.expected:
+        elif name in self.expected:
             # this stage runs, so every later one does: what is left, at this machine's pace so far
             todo = STAGES[STAGES.index(name):]
             say(f"{name}: ~{time_left(self.expected, self.ran_now, [name]) / 60:.1f} min expected; "

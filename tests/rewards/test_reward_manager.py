@@ -8,8 +8,8 @@ import torch
 
 from verl_arpo.protocol import DataProto
 from verl_arpo.workers.reward_manager import (NaiveRewardManager, get_custom_reward_fn,
-                                            get_reward_manager_cls, load_custom_reward_function,
-                                            load_reward_manager)
+                                              get_reward_manager_cls, load_custom_reward_function,
+                                              load_reward_manager)
 
 P, R = 4, 48
 GOOD = "<think>t</think><answer>\\boxed{Paris}</answer>"

@@ -293,7 +293,7 @@ def test_outcome_reward_survives_masked_endings(tiny_tokenizer, estimator, mode)
     call_limit, and a tool result cut by the length budget — keep their whole score: with γ = λ = 1
     and zero values, the return at the first response token equals the score."""
     from verl_arpo.algos.core_algos import (compute_gae_advantage_return,
-                                                  compute_reinforce_plus_plus_outcome_advantage)
+                                            compute_reinforce_plus_plus_outcome_advantage)
     from verl_arpo.workers.reward_manager import NaiveRewardManager
 
     tok = tiny_tokenizer

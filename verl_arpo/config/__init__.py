@@ -20,7 +20,9 @@ Where a rule lives: a rule on one section's keys is that section's `problems(whe
 reads several sections (batch sizes against the worker count, token budgets against the lengths,
 the critic under gae, the device against the cluster) is `JobConfig.problems`. Choices are
 `Literal` types (their values are the one list of accepted names); names looked up in a registry
-(`adv_estimator`, `policy_loss.loss_mode`, `branch_rule`) are checked against that registry.
+(`adv_estimator`, `policy_loss.loss_mode`, `branch_rule`) are checked against the registries the
+composition root hands in (`names`: `verl_arpo.trainer.config.registered_names`), since the
+algorithms that fill them sit above this package.
 
 Values that are *derived* from several keys are computed once, here, and named (`JobConfig.derived`):
 world size, whether a KL term is active, whether the reference model and the critic are needed,
@@ -41,12 +43,12 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from verl_arpo.config.rollout import (ROLLOUT_MODES, ROLLOUT_NAMES, VLLM_ONLY_KEYS, MultiTurnConfig,
-                                                RolloutSection, ToolsConfig, ValKwargs)
+                                      RolloutSection, ToolsConfig, ValKwargs)
 from verl_arpo.config.run import (AlgorithmConfig, CustomRewardFunctionConfig, DataConfig, KLCtrlConfig,
-                                            RayInitConfig, RewardModelConfig, TrainerConfig)
+                                  RayInitConfig, RewardModelConfig, TrainerConfig)
 from verl_arpo.config.training import (MODEL_DTYPE_NAMES, ActorConfig, CheckpointConfig, CriticConfig,
-                                                 CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig,
-                                                 PolicyLossConfig, RefConfig, RefFSDPConfig, resolve_model_dtype)
+                                       CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig,
+                                       PolicyLossConfig, RefConfig, RefFSDPConfig, resolve_model_dtype)
 from verl_arpo.config.typed import ConfigError, Problems, build, choices, from_mapping, plain_tree, to_dict
 from verl_arpo.utils.chat_template import load_chat_template
 
