@@ -48,8 +48,7 @@ def _batch(vocab: int, rows: int, n: int = 4, seed: int = 0):
     mask = attn[:, P:].float()
     adv = torch.randn(rows, 1, generator=g).expand(rows, R) * mask
     return DataProto.from_dict(tensors=dict(input_ids=ids, attention_mask=attn, position_ids=pos, responses=ids[:, P:],
-                                            response_mask=mask, advantages=adv.contiguous()),
-                               meta_info={"temperature": 1.0})
+                                            response_mask=mask, advantages=adv.contiguous()))
 
 
 def child(spec: dict) -> dict:
@@ -86,7 +85,8 @@ def child(spec: dict) -> dict:
         update = Batching(micro_batch=len(data), use_dynamic_bsz=True, max_token_len=int(spec["micro_tokens"]),
                           mini_batch=len(data))   # one worker, one mini-batch of token-budget micro-batches
         actor = DataParallelPPOActor(ActorConfig(grad_clip=1.0), model, opt, update=update,
-                                     use_remove_padding=bool(spec["packing"]), use_prefix_sharing=bool(spec["sharing"]))
+                                     use_remove_padding=bool(spec["packing"]), use_prefix_sharing=bool(spec["sharing"]),
+                                     on_policy=True)  # no old_log_probs: π_old is the update's forward
 
         def step():
             actor.update_policy(data)

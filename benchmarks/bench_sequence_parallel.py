@@ -54,7 +54,7 @@ def _batch(vocab: int, rows: int, length: int, seed: int = 0):
     return DataProto.from_dict(tensors=dict(
         input_ids=ids, attention_mask=attn, position_ids=pos, responses=ids[:, p:], response_mask=mask,
         advantages=torch.randn(rows, 1, generator=g).expand(rows, r).contiguous(),
-        old_log_probs=torch.full((rows, r), -8.0)), meta_info={"temperature": 1.0})
+        old_log_probs=torch.full((rows, r), -8.0)))
 
 
 def _measure(model, actor, data) -> dict:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from verl_arpo.protocol_rows import (_index_tensor, _merge_metrics, _to_non_tensor, _union_meta, as_object_array,
+from verl_arpo.protocol_rows import (index_tensor, merge_metrics, to_non_tensor, union_meta, as_object_array,
                                      union_numpy_dict, union_tensor_dict)
 
 __all__ = [
@@ -136,7 +136,7 @@ class DataProto:
                         f"tensors[{key!r}] has batch shape {tuple(size)}, but tensors[{first_key!r}] has {tuple(batch_size)}"
                     )
             batch = TensorDict(tensors, batch_size=batch_size)
-        non_tensor_batch = {key: _to_non_tensor(key, val) for key, val in non_tensors.items()}
+        non_tensor_batch = {key: to_non_tensor(key, val) for key, val in non_tensors.items()}
         return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(meta_info or {}))
 
     @classmethod
@@ -239,7 +239,7 @@ class DataProto:
 
     def select_idxs(self, idxs: Any) -> DataProto:
         """Rows picked by integer indices (repeats allowed, order kept) or by a boolean mask."""
-        idx = _index_tensor(idxs, len(self))
+        idx = index_tensor(idxs, len(self))
         idx_np = idx.numpy()
         batch = None
         if self.batch is not None:
@@ -352,11 +352,11 @@ class DataProto:
         if self.batch is not None and other.batch is not None:
             union_tensor_dict(self.batch.select(*self.batch.keys()), other.batch)
         union_numpy_dict(dict(self.non_tensor_batch), other.non_tensor_batch)
-        _union_meta(dict(self.meta_info), other.meta_info)
+        union_meta(dict(self.meta_info), other.meta_info)
         other_batch = other.batch.select(*other.batch.keys()) if other.batch is not None else None
         self.batch = union_tensor_dict(self.batch, other_batch)
         union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
-        _union_meta(self.meta_info, other.meta_info)
+        union_meta(self.meta_info, other.meta_info)
         self.check_consistency()
         return self
 
@@ -393,7 +393,7 @@ class DataProto:
                 elif key not in meta_info:
                     meta_info[key] = val
         if metrics_parts:
-            meta_info["metrics"] = _merge_metrics(metrics_parts)
+            meta_info["metrics"] = merge_metrics(metrics_parts)
 
         parts = [d for d in data if not d._is_blank()]
         if not parts:

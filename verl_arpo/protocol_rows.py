@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["as_object_array", "union_tensor_dict", "union_numpy_dict"]
+__all__ = ["as_object_array", "union_tensor_dict", "union_numpy_dict", "to_non_tensor", "union_meta", "merge_metrics",
+           "index_tensor"]
 
 
 
@@ -38,7 +39,7 @@ def as_object_array(values: Any) -> np.ndarray:
     return out
 
 
-def _to_non_tensor(key: str, value: Any) -> np.ndarray:
+def to_non_tensor(key: str, value: Any) -> np.ndarray:
     """Normalise one non-tensor column for ``from_dict`` (see module docstring)."""
     if isinstance(value, np.ndarray) and value.ndim > 1 and value.dtype != object:
         return value
@@ -121,7 +122,7 @@ def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray])
     return dict1
 
 
-def _union_meta(dict1: dict, dict2: dict) -> dict:
+def union_meta(dict1: dict, dict2: dict) -> dict:
     for key, val in dict2.items():
         if key in dict1:
             if not _values_equal(dict1[key], val):
@@ -131,7 +132,7 @@ def _union_meta(dict1: dict, dict2: dict) -> dict:
     return dict1
 
 
-def _merge_metrics(parts: list[Any]) -> dict[str, list]:
+def merge_metrics(parts: list[Any]) -> dict[str, list]:
     """Merge per-part metrics (dicts, or lists of dicts) into one dict of flat lists."""
     merged: dict[str, list] = {}
 
@@ -156,7 +157,7 @@ def _merge_metrics(parts: list[Any]) -> dict[str, list]:
     return merged
 
 
-def _index_tensor(idxs: Any, length: int) -> torch.Tensor:
+def index_tensor(idxs: Any, length: int) -> torch.Tensor:
     """Normalise list / numpy / torch indices or boolean masks to a 1-D LongTensor of row ids."""
     if isinstance(idxs, torch.Tensor):
         idx = idxs.detach().cpu()

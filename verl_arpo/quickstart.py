@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 from verl_arpo.utils.resources import bundled_root, config_dir
+from verl_arpo.utils.stats import paired_gain
 
 ROOT = bundled_root()
 """Where the bundled task lives (rl_datasets/): the checkout, or the installed package's data."""
@@ -90,7 +90,8 @@ on all 600): a base model that has not learnt the tags runs to the length limit 
 so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue 47)."""
 """Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
 searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
-gained at each of 4 (docs/results.md, "Twice the SFT steps")."""
+gained at each of 4 (docs/reports/2026-11-26-quickstart-rl-gain-across-seeds.md, "Twice the SFT
+steps")."""
 SMOKE = {"questions": 6, "response_length": 64, "sft_steps": 2, "sft_batch_size": 2, "rl_steps": 2,
          "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=64",
                           "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.initial_rollouts=1",
@@ -244,16 +245,6 @@ def eval_cache_dir() -> Path:
     from verl_arpo.utils.model_prep import default_cache_dir
 
     return default_cache_dir().parent / "eval"
-
-
-def paired_gain_ci(before: list[float], after: list[float]) -> tuple[float, float, float]:
-    """Mean gain and its 95% interval over the same questions (normal approximation, paired)."""
-    d = [a - b for a, b in zip(after, before)]
-    n = len(d)
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, n - 1))
-    half = 1.96 * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
 
 
 def per_question(report: dict) -> list[float]:
@@ -477,7 +468,7 @@ class Quickstart:
         for tag in ("base", "sft", "rl"):
             o = evals[tag]["overall"]
             test[tag] = {"acc": o["accuracy"], "ci95": o["accuracy_ci95"], "n": o["n_questions"]}
-        gain, lo, hi = paired_gain_ci(per_question(evals["sft"]), per_question(evals["rl"]))
+        gain, lo, hi = paired_gain(per_question(evals["sft"]), per_question(evals["rl"]))  # utils/stats.py
         summary = {
             "model": model_name, "algo": self.a.algo, "precision": self.precision, "rl_steps": self.rl_steps,
             "test": test, "rl_gain_over_sft": {"mean": gain, "ci95": [lo, hi], "significant": lo > 0},

@@ -87,3 +87,18 @@ def test_verls_import_path_is_the_same_module():
     from verl_arpo.trainer.ppo import core_algos as via_verl_path
 
     assert via_verl_path is core_algos and "grpo" in via_verl_path.ADV_ESTIMATOR_REGISTRY
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name with a leading underscore is its module's own: a module that needs it from another
+    module needs it public (issue 50). Module-level dunders (__version__) are not private."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        if "_bundled" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("verl_arpo")):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.module} {private}")
+    assert found == []

@@ -45,7 +45,7 @@ def test_run_refusals_have_their_own_exit_codes():
     """[issue 51, item 3] each refusal at run time maps to one exit code; other failures keep their traceback."""
     from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
     from verl_arpo.trainer.main_ppo import run_refusal
-    from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
+    from verl_arpo.trainer.ppo.run_directory import DifferentRunError
     from verl_arpo.utils.checkpoint.integrity import RunDirLockedError
 
     assert run_refusal(RunDirLockedError("x"))[0] == 3

@@ -186,7 +186,7 @@ def test_parallel_equals_serial(tiny_tokenizer, tmp_path):
     manager = NaiveRewardManager(tiny_tokenizer, num_workers=2, parallel_threshold=8)
     try:
         parallel = manager(data, return_dict=True)
-        assert manager._pool is not None  # the pool was really used
+        assert manager.scoring.started  # the pool was really used
     finally:
         manager.close()
     assert torch.equal(serial["reward_tensor"], parallel["reward_tensor"])
@@ -213,7 +213,7 @@ def test_unpicklable_scorer_falls_back_to_serial(tiny_tokenizer, caplog):
     manager = NaiveRewardManager(tiny_tokenizer, compute_score=lambda **kw: 2.0, num_workers=2,
                                  parallel_threshold=4)
     scores = manager(data)
-    assert manager._pool is None and "cannot be pickled" in caplog.text
+    assert not manager.scoring.started and "cannot be pickled" in caplog.text
     assert scores.sum().item() == 20.0
 
 
@@ -343,7 +343,7 @@ def test_a_hung_scorer_ends_in_an_error_naming_the_sample(tiny_tokenizer, tmp_pa
         with pytest.raises(RewardTimeoutError, match=r"samples \d+\.\.\d+ .*were still being scored"):
             parallel(data)
         assert time.monotonic() - t0 < 30
-        assert parallel._pool is None  # the stuck processes were killed, a new pool comes next time
+        assert not parallel.scoring.started  # the stuck processes were killed, a new pool comes next time
     finally:
         parallel.close()
     # without a hang the limit changes nothing

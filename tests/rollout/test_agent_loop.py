@@ -19,9 +19,10 @@ CALL = "<think>t</think> <python>x=1</python>"
 ANSWER = "<answer>\\boxed{1}</answer>"
 
 
-def _prompts(tok, texts, step=0):
+def _prompts(tok, texts, step=0, width=None):
+    """Prompts as a trainer's dataset sends them: left-padded tensors (to `width`, default the longest)."""
     enc = [tok.encode(t, add_special_tokens=False) for t in texts]
-    width = max(len(e) for e in enc)
+    width = width or max(len(e) for e in enc)
     ids = torch.full((len(enc), width), tok.pad_token_id)
     mask = torch.zeros((len(enc), width), dtype=torch.long)
     for i, e in enumerate(enc):
@@ -391,3 +392,23 @@ def test_the_driver_reports_the_fire_rate_over_ranks():
     out = reduce_metrics({"rollout/branches": [3.0, 1.0], "rollout/branch_draws": [8.0, 8.0]})
     assert out["rollout/branch_draws"] == 16.0 and out["rollout/branch_fire_rate"] == 4 / 16
     assert "rollout/branch_fire_rate" not in reduce_metrics({"rollout/branches": [0.0]})  # GRPO: no draws
+
+
+def test_unpadded_prompt_ids_give_the_padded_layout(tiny_tokenizer, mode):
+    """[issue 50] The trainer sends the dataset's unpadded `raw_prompt_ids` (no padded tensors): the
+    rollout left-pads them once, to rollout.prompt_length, and its output is exactly what the same
+    prompts sent as tensors padded to that width give (verl's callers still send tensors)."""
+    tok = tiny_tokenizer
+    texts, width = ["q one", "a longer question two"], 12
+    enc = [tok.encode(t, add_special_tokens=False) for t in texts]
+    padded = _prompts(tok, texts, width=width)   # the dataset's width: data.max_prompt_length
+    raw = DataProto.from_dict(non_tensors={"uid": as_object_array(["u0", "u1"]), "raw_prompt_ids": as_object_array(enc)},
+                              meta_info={"global_steps": 0})
+    outs = []
+    for prompts in (padded, raw):
+        loop, _ = _loop(tok, mode=mode, script=calls_then_answer(1), n=2, prompt_length=width, seed=3)
+        outs.append(loop.generate_sequences(prompts))
+    assert outs[0].batch["input_ids"].shape[1] == width + 256
+    for key in ("prompts", "input_ids", "attention_mask", "position_ids", "responses", "response_mask"):
+        assert torch.equal(outs[0].batch[key], outs[1].batch[key]), key
+    assert outs[1].batch["prompts"][2, width - len(enc[1]):].tolist() == enc[1]   # rows 2, 3: the second prompt

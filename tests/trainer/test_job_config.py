@@ -14,7 +14,7 @@ import verl_arpo.config as jc
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-FREE_FORM = {"override_config", "tool_instances", "runtime_env", "reward_kwargs", "mixed_precision",
+FREE_FORM = {"override_config", "tool_instances", "runtime_env", "reward_kwargs",
              "apply_chat_template_kwargs"}
 """dict-valued keys whose contents belong to another component (HF config, tools, Ray, the user's scorer,
 the chat template)."""
@@ -263,3 +263,18 @@ def test_optim_eps_reaches_adamw_and_must_be_positive():
     assert opt.param_groups[0]["eps"] == 1e-6
     assert build_adamw([torch.nn.Parameter(torch.zeros(2))], jc.OptimConfig()).param_groups[0]["eps"] == 1e-8
     assert "actor_rollout_ref.actor.optim.eps" in _problems({"actor_rollout_ref": {"actor": {"optim": {"eps": 0}}}})
+
+
+def test_ray_env_vars_are_checked_and_split_once():
+    """ray_init.runtime_env.env_vars: every value a string, number or bool (named when not); the
+    split into what Ray may log and the credentials is computed once, from the defaults and the user's."""
+    found = _problems({"ray_init": {"runtime_env": {"env_vars": {"OK": 1, "BAD": [1, 2], "NONE": None},
+                                                    "working_dir": "."}}})
+    env_keys = {k for k in found if k.startswith("ray_init.")}
+    assert env_keys == {"ray_init.runtime_env.env_vars.BAD", "ray_init.runtime_env.env_vars.NONE"}
+    assert "got list" in found["ray_init.runtime_env.env_vars.BAD"]
+    ray = jc.RayInitConfig(runtime_env={"env_vars": {"WANDB_API_KEY": "s3cret", "FLAG": True, "TOKENIZERS_PARALLELISM": "true"}})
+    public, secrets = ray.worker_env
+    assert secrets == {"WANDB_API_KEY": "s3cret"}
+    assert public == {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "true", "FLAG": "true"}
+    assert ray.worker_env is ray.worker_env   # computed once

@@ -80,7 +80,7 @@ ids = torch.randint(3, model.config.vocab_size, (B, P + R), generator=g)
 attn = torch.ones(B, P + R, dtype=torch.long)
 data = DataProto.from_dict(tensors=dict(input_ids=ids, attention_mask=attn, position_ids=torch.arange(P + R).expand(B, -1).clone(),
     responses=ids[:, P:], response_mask=torch.ones(B, R), advantages=torch.randn(B, R, generator=g),
-    old_log_probs=-torch.rand(B, R, generator=g)), meta_info={"temperature": 1.0})
+    old_log_probs=-torch.rand(B, R, generator=g)))
 from verl_arpo.config import Batching
 actor = DataParallelPPOActor(None, model, opt, update=Batching(micro_batch=B, use_dynamic_bsz=False, max_token_len=B * (P + R),
                                                                mini_batch=B))

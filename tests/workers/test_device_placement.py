@@ -86,8 +86,7 @@ def _batch(vocab: int, B: int = 4, P: int = 5, R: int = 6, seed: int = 0) -> Dat
         input_ids=input_ids, attention_mask=attn, position_ids=pos, responses=input_ids[:, P:],
         response_mask=resp_mask, old_log_probs=lp, ref_log_prob=lp - 0.1, rollout_log_probs=lp + 0.05,
         advantages=torch.randn(B, R, generator=g) * resp_mask, values=torch.randn(B, R, generator=g) * resp_mask,
-        returns=torch.randn(B, R, generator=g) * resp_mask, token_level_rewards=torch.zeros(B, R)),
-        meta_info={"temperature": 0.7})
+        returns=torch.randn(B, R, generator=g) * resp_mask, token_level_rewards=torch.zeros(B, R)))
 
 
 @pytest.fixture()
@@ -100,6 +99,7 @@ def causal_lm(tiny_model_dir):
 @pytest.mark.parametrize("use_dynamic_bsz", [False, True])
 @pytest.mark.parametrize("use_remove_padding", [False, True])
 def test_actor_runs_with_a_device_model_and_returns_host_tensors(causal_lm, use_dynamic_bsz, use_remove_padding):
+    from verl_arpo.config import RolloutCorrection
     from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 
     data = _batch(causal_lm.config.vocab_size)
@@ -109,17 +109,18 @@ def test_actor_runs_with_a_device_model_and_returns_host_tensors(causal_lm, use_
     opt = torch.optim.AdamW(causal_lm.parameters(), lr=1e-3)
     kw = actor_kwargs(**cfg)
     actor = DataParallelPPOActor(actor_module=causal_lm, actor_optimizer=opt, use_remove_padding=use_remove_padding,
-                                 device=DEVICE, **kw)
+                                 device=DEVICE, temperature=0.7,
+                                 rollout_correction=RolloutCorrection(2.0, "token", "truncate", apply=True), **kw)
     mode = SameDevice()
     with mode:
         log_probs, entropy = actor.compute_log_prob(data, kw["update"], calculate_entropy=True)
-        data.meta_info["rollout_is"] = dict(threshold=2.0, level="token", mode="truncate", apply=True)
         metrics = actor.update_policy(data)
     assert mode.ops > 100  # the forward, backward and step all went through the checks
     assert (mode.equals > 0) == use_remove_padding  # the packed path ran (it checks position_ids first)
     assert log_probs.device.type == entropy.device.type == "cpu"
     assert log_probs.shape == entropy.shape == data.batch["responses"].shape
-    assert {"actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "mismatch/log_prob_abs_diff"} <= set(metrics)
+    assert {"actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "mismatch/log_prob_abs_diff",
+            "mismatch/rollout_is_mean"} <= set(metrics)
     assert all(p.device == DEVICE for p in causal_lm.parameters())
 
 

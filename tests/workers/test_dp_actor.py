@@ -18,7 +18,7 @@ from verl_arpo.algos.core_algos import get_policy_loss_fn
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.sharded_model import enable_activation_checkpointing
-from verl_arpo.config import ActorConfig, PolicyLossConfig
+from verl_arpo.config import ActorConfig, PolicyLossConfig, RolloutCorrection
 from worker_configs import actor_kwargs, log_probs
 
 P, R = 6, 8
@@ -55,8 +55,7 @@ def make_batch(vocab, B=6, seed=0, prompt_lens=None, resp_lens=None):
     return DataProto.from_dict(
         tensors=dict(input_ids=ids, attention_mask=attn, position_ids=compute_position_id_with_mask(attn),
                      responses=ids[:, P:], response_mask=resp_mask, advantages=adv, old_log_probs=old,
-                     ref_log_prob=ref),
-        meta_info={"temperature": 1.0})
+                     ref_log_prob=ref))
 
 
 def per_row_outputs(model, data, temperature=1.0):
@@ -136,10 +135,9 @@ class RecordingOptimizer:
 def actor_grad(model, data, **cfg):
     opt = RecordingOptimizer(model)
     base = dict(ppo_mini_batch_size=len(data), ppo_micro_batch_size_per_gpu=len(data), ppo_epochs=1, grad_clip=None)
-    packed = cfg.pop("use_remove_padding", False)
-    shared = cfg.pop("use_prefix_sharing", False)
-    actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, use_remove_padding=packed,
-                                 use_prefix_sharing=shared, **actor_kwargs(**{**base, **cfg}))
+    built = {k: cfg.pop(k) for k in ("use_remove_padding", "use_prefix_sharing", "on_policy", "rollout_correction",
+                                     "temperature") if k in cfg}  # constructor arguments, not actor keys
+    actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, **built, **actor_kwargs(**{**base, **cfg}))
     metrics = actor.update_policy(data)
     assert len(opt.grads) == 1
     return opt.grads[0], metrics
@@ -163,10 +161,9 @@ def assert_grads_close(a, b, rtol=1e-4):
 # --------------------------------------------------------------------------------------------
 def test_compute_log_prob_matches_plain_forward(model):
     data = make_batch(model.config.vocab_size, seed=1)
-    actor = DataParallelPPOActor(None, model)
     for temperature in (1.0, 0.7):
+        actor = DataParallelPPOActor(None, model, temperature=temperature)
         rows = per_row_outputs(model, data, temperature)
-        data.meta_info.update(temperature=temperature)
         lp, ent = actor.compute_log_prob(data, log_probs(4), calculate_entropy=True)
         assert_matches_rows(lp, ent, rows, data)
         # token-budget micro-batches come back in the input order; packing gives the same numbers
@@ -174,7 +171,7 @@ def test_compute_log_prob_matches_plain_forward(model):
         lp_dyn, ent_dyn = actor.compute_log_prob(data, dynamic, calculate_entropy=True)
         torch.testing.assert_close(lp_dyn, lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent_dyn, ent, atol=1e-5, rtol=1e-5)
-        packed = DataParallelPPOActor(None, model, use_remove_padding=True)
+        packed = DataParallelPPOActor(None, model, use_remove_padding=True, temperature=temperature)
         seen = []
         hook = model.register_forward_pre_hook(
             lambda mod, args, kw: seen.append((kw["input_ids"].shape[0], kw["attention_mask"])), with_kwargs=True)
@@ -186,6 +183,15 @@ def test_compute_log_prob_matches_plain_forward(model):
         torch.testing.assert_close(lp_pk, lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent_pk, ent, atol=1e-5, rtol=1e-5)
     assert actor.compute_log_prob(data, log_probs())[1] is None
+    # a caller written for verl passes the temperature with the batch: the same one is accepted,
+    # another is refused (it would score the tokens under a distribution the caller did not mean)
+    data.meta_info["temperature"] = 0.7
+    torch.testing.assert_close(actor.compute_log_prob(data, log_probs(4))[0], lp)
+    data.meta_info["temperature"] = 1.0
+    with pytest.raises(ValueError, match=r"meta_info\['temperature'\]=1.0 differs.*temperature=\.\.\."):
+        actor.compute_log_prob(data, log_probs(4))
+    with pytest.raises(ValueError, match="rollout.temperature must be > 0"):
+        DataParallelPPOActor(None, model, temperature=0.0)
 
 
 def test_remove_padding_fallbacks(model):
@@ -234,16 +240,22 @@ def test_on_policy_update_without_old_log_probs(model):
     data.batch["old_log_probs"] = old
     ref = reference_grad(model, data)
     data.batch.pop("old_log_probs")
-    got, metrics = actor_grad(model, data, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=25)
+    got, metrics = actor_grad(model, data, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=25, on_policy=True)
     assert_grads_close(got, ref)
     assert metrics["actor/ppo_kl"][0] == 0.0 and metrics["actor/pg_clipfrac"][0] == 0.0  # ratio is exactly 1
     m = data.batch["response_mask"].bool()
     hs = torch.stack([rows[k][1] for k in sorted(rows) if m[k]])
     assert metrics["actor/update_entropy"][0] == pytest.approx(hs.mean().item(), rel=1e-4)  # the metric survives
-    with pytest.raises(KeyError, match="on-policy"):  # two mini-batches: the second is off-policy
-        actor_grad(model, data, ppo_mini_batch_size=len(data) // 2)
-    with pytest.raises(KeyError, match="on-policy"):
-        actor_grad(model, data, ppo_epochs=2)
+    # the update's forward is π_old: its entropy is the rollout policy's, reported as actor/entropy
+    assert metrics["actor/entropy"] == metrics["actor/update_entropy"]
+    with pytest.raises(ValueError, match="built on-policy"):  # two mini-batches: the second is off-policy
+        actor_grad(model, data, ppo_mini_batch_size=len(data) // 2, on_policy=True)
+    with pytest.raises(ValueError, match="built on-policy"):
+        actor_grad(model, data, ppo_epochs=2, on_policy=True)
+    with pytest.raises(KeyError, match="old_log_probs"):  # built off-policy: π_old must come with the batch
+        actor_grad(model, data)
+    data.batch["old_log_probs"] = old  # off-policy with π_old given: no actor/entropy (the log-prob pass has it)
+    assert "actor/entropy" not in actor_grad(model, data)[1]
 
 
 def test_entropy_bonus_and_kl_loss(model):
@@ -273,8 +285,7 @@ def test_aepo_entropy_advantage_is_computed_without_entropy_coeff(model):
 
 def test_entropy_balanced_clipping_flag(model):
     data = make_batch(model.config.vocab_size, seed=5)
-    lp, _ = DataParallelPPOActor(None, model).compute_log_prob(
-        DataProto(batch=data.batch, meta_info={"temperature": 1.0}), log_probs(8))
+    lp, _ = DataParallelPPOActor(None, model).compute_log_prob(DataProto(batch=data.batch), log_probs(8))
     data.batch["old_log_probs"] = lp - 0.5  # r ≈ 1.65 > 1 + ε: clipped for A > 0
     data.batch["advantages"] = data.batch["advantages"].abs()
     actor = DataParallelPPOActor(ActorConfig(enable_entropy_balanced_clipping=True), model, RecordingOptimizer(model))
@@ -348,8 +359,7 @@ def _fsdp_rank(rank, world, port, model_dir, data_path, out_path):
             kw = {k: cfg.pop(k) for k in ("use_remove_padding", "use_prefix_sharing") if k in cfg}
             actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, **kw,
                                          **actor_kwargs(**{**cfg, "ppo_mini_batch_size": half}))
-            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 1.0}),
-                                           log_probs(use_dynamic_bsz=True, max_token_len=15))
+            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch), log_probs(use_dynamic_bsz=True, max_token_len=15))
             metrics = actor.update_policy(data)
             params = {k: v.full_tensor() for k, v in model.state_dict().items()}
             results[name] = dict(params=params, metrics=metrics, lp=lp)
@@ -398,7 +408,7 @@ def test_fsdp2_two_ranks_equal_single_process(tiny_model_dir, tmp_path):
                                        atol=1e-4 * max_delta, rtol=1e-3, msg=f"{name}: {k}")
     # the FSDP forward (rank 0's half, dynamic micro-batches) equals a plain forward
     ref_lp, _ = DataParallelPPOActor(None, load_model(tiny_model_dir)).compute_log_prob(
-        DataProto(batch=data.batch[:4], meta_info={"temperature": 1.0}), log_probs(4))
+        DataProto(batch=data.batch[:4]), log_probs(4))
     torch.testing.assert_close(dp["seq-mean-fixed"]["lp"], ref_lp, atol=1e-5, rtol=1e-5)
 
 
@@ -431,13 +441,11 @@ def test_rollout_correction_weights_the_update_and_logs_the_mismatch(model, appl
     g = torch.Generator().manual_seed(1)
     old, mask = data.batch["old_log_probs"], data.batch["response_mask"]
     data.batch["rollout_log_probs"] = old + 0.3 * torch.randn(old.shape, generator=g)
-    data.meta_info["rollout_is"] = dict(threshold=1.2, level="token", mode="truncate", apply=apply)
-    got, metrics = actor_grad(model, data)
+    got, metrics = actor_grad(model, data, rollout_correction=RolloutCorrection(1.2, "token", "truncate", apply))
     delta = (old - data.batch["rollout_log_probs"])[mask.bool()]
     assert metrics["mismatch/log_prob_abs_diff"][0] == pytest.approx(delta.abs().mean().item(), rel=1e-5)
     assert metrics["mismatch/kl"][0] == pytest.approx((-delta).mean().item(), rel=1e-5, abs=1e-7)
     plain = copy.deepcopy(data)
-    plain.meta_info.pop("rollout_is")
     if apply:
         w = torch.exp(old - data.batch["rollout_log_probs"]).clamp(max=1.2) * mask
         plain.batch["advantages"] = plain.batch["advantages"] * w

@@ -103,8 +103,7 @@ def shared_batch(vocab, seed=0):
     old = -torch.log(torch.tensor(float(vocab))) + 0.25 * torch.randn(b, R, generator=g)
     return DataProto.from_dict(
         tensors=dict(input_ids=ids, attention_mask=attn, position_ids=compute_position_id_with_mask(attn),
-                     responses=ids[:, P:], response_mask=resp_mask, advantages=adv, old_log_probs=old),
-        meta_info={"temperature": 1.0})
+                     responses=ids[:, P:], response_mask=resp_mask, advantages=adv, old_log_probs=old))
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])

@@ -25,8 +25,7 @@ def _batch(vocab: int, B: int = 4, P: int = 6, R: int = 8) -> DataProto:
     attn[1, :2] = 0  # a left-padded prompt
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_dict(tensors=dict(input_ids=input_ids, attention_mask=attn, position_ids=pos,
-                                            responses=input_ids[:, P:], response_mask=torch.ones(B, R)),
-                               meta_info={"temperature": 1.0})
+                                            responses=input_ids[:, P:], response_mask=torch.ones(B, R)))
 
 
 def test_a_bf16_reference_matches_the_fp32_one_within_bf16_tolerance(tiny_model_dir):

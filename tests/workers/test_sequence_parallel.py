@@ -121,8 +121,8 @@ def _sp2_rank(rank, world, port, dirs, out_path):
             data = shared_prompt_batch(model.config.vocab_size, seed=11)
             actor = DataParallelPPOActor(actor_module=model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                          use_remove_padding=True, use_prefix_sharing=flags.get("use_prefix_sharing", False),
-                                         sp=sp, **actor_kwargs(**{**cfg, "ppo_mini_batch_size": 6}))
-            lp, ent = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 0.7}),
+                                         sp=sp, temperature=0.7, **actor_kwargs(**{**cfg, "ppo_mini_batch_size": 6}))
+            lp, ent = actor.compute_log_prob(DataProto(batch=data.batch),
                                              log_probs(4), calculate_entropy=True)
             metrics = actor.update_policy(data)
             results[name] = dict(lp=lp, ent=ent, metrics=metrics, params=_full(model))
@@ -152,8 +152,8 @@ def test_sp2_equals_one_process(model_dirs, tmp_path):
         data = shared_prompt_batch(model.config.vocab_size, seed=11)
         actor = DataParallelPPOActor(actor_module=model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                      use_remove_padding=True, use_prefix_sharing=flags.get("use_prefix_sharing", False),
-                                     **actor_kwargs(**{**cfg, "ppo_mini_batch_size": 6}))
-        lp, ent = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 0.7}), log_probs(4),
+                                     temperature=0.7, **actor_kwargs(**{**cfg, "ppo_mini_batch_size": 6}))
+        lp, ent = actor.compute_log_prob(DataProto(batch=data.batch), log_probs(4),
                                          calculate_entropy=True)
         metrics = actor.update_policy(data)
         for r in range(2):  # every rank of the group has every slot's log-prob and entropy
@@ -212,7 +212,7 @@ def _dp_rank(rank, world, port, sp_size, model_dir, out_path):
             share = full.chunk(world)[rank]  # what DP_COMPUTE_PROTO gives this rank
             data, shares = gather_group_data(share, sp)
             assert len(data) == 12 // dp
-            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 1.0}), log_probs(4))
+            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch), log_probs(4))
             mine = local_rows(DataProto.from_dict(tensors={"lp": lp}), shares, sp)
             rows[step] = mine.batch["lp"]
             actor.update_policy(data)
@@ -289,10 +289,10 @@ def _sp2_flash_rank(rank, world, port, model_dir, out_path):
         model = _shard(model, init_device_mesh("cpu", (world,)))
         data = shared_prompt_batch(model.config.vocab_size, seed=11)
         actor = DataParallelPPOActor(actor_module=model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                     use_remove_padding=True, sp=sp,
+                                     use_remove_padding=True, sp=sp, temperature=0.7,
                                      **actor_kwargs(loss_agg_mode="token-mean", ppo_micro_batch_size_per_gpu=3,
                                                     ppo_mini_batch_size=6))
-        lp, ent = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 0.7}), log_probs(4),
+        lp, ent = actor.compute_log_prob(DataProto(batch=data.batch), log_probs(4),
                                          calculate_entropy=True)
         torch.save(dict(lp=lp, ent=ent), f"{out_path}.{rank}")
     finally:
@@ -310,10 +310,10 @@ def test_sp2_with_a_flash_kernel_finds_it_and_equals_one_process(model_dirs, tmp
     model = load(model_dirs["kv1"], False)
     data = shared_prompt_batch(model.config.vocab_size, seed=11)
     actor = DataParallelPPOActor(actor_module=model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                 use_remove_padding=True, **actor_kwargs(loss_agg_mode="token-mean",
+                                 use_remove_padding=True, temperature=0.7, **actor_kwargs(loss_agg_mode="token-mean",
                                                                          ppo_micro_batch_size_per_gpu=3,
                                                                          ppo_mini_batch_size=6))
-    lp, ent = actor.compute_log_prob(DataProto(batch=data.batch, meta_info={"temperature": 0.7}), log_probs(4),
+    lp, ent = actor.compute_log_prob(DataProto(batch=data.batch), log_probs(4),
                                      calculate_entropy=True)
     for r in range(2):
         got = torch.load(f"{out}.{r}", weights_only=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from verl_arpo.config import OptimConfig
+from verl_arpo.config import ConfigError, FSDPConfig, OptimConfig, from_mapping
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
 from verl_arpo.workers.sharded_model import attn_implementation, fsdp_mixed_precision
 
@@ -74,8 +74,17 @@ def test_precision_and_attention_defaults():
     assert fsdp_mixed_precision(None, "cpu") is None  # fp32 on CPU unless asked
     mp = fsdp_mixed_precision(None, "cuda")
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
-    mp = fsdp_mixed_precision({"param_dtype": "float16"}, "cpu")
+    # the typed section (verl's dtype names too): built from the YAML's mapping, checked key by key
+    section = from_mapping(FSDPConfig, {"mixed_precision": {"param_dtype": "fp16"}}, "actor_rollout_ref.actor.fsdp_config")
+    mp = fsdp_mixed_precision(section.mixed_precision, "cpu")
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.float16, torch.float32)
+    assert from_mapping(FSDPConfig, {"mixed_precision": None}, "f").mixed_precision is None
+    with pytest.raises(ConfigError) as bad:
+        from_mapping(FSDPConfig, {"mixed_precision": {"param_dtype": "float8", "buffer_dtype": "float32"}},
+                     "actor_rollout_ref.actor.fsdp_config")
+    assert [key for key, _ in bad.value.problems] == ["actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype",
+                                                      "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"]
+    assert "'float8'" in str(bad.value) and "accepts ['param_dtype', 'reduce_dtype']" in str(bad.value)
     assert attn_implementation("eager") == "eager"
     assert attn_implementation(None) == ("sdpa" if not torch.cuda.is_available() else attn_implementation(None))
 

@@ -48,18 +48,19 @@ from verl_arpo.config.run import (AlgorithmConfig, CustomRewardFunctionConfig, D
                                   RayInitConfig, RewardModelConfig, TrainerConfig)
 from verl_arpo.config.training import (MODEL_DTYPE_NAMES, ActorConfig, CheckpointConfig, CriticConfig,
                                        CriticModelConfig, FSDPConfig, ModelConfig, OptimConfig,
-                                       PolicyLossConfig, RefConfig, RefFSDPConfig, resolve_model_dtype)
+                                       MixedPrecisionConfig, PolicyLossConfig, RefConfig, RefFSDPConfig,
+                                       resolve_model_dtype)
 from verl_arpo.config.typed import ConfigError, Problems, build, choices, from_mapping, plain_tree, to_dict
 from verl_arpo.utils.chat_template import load_chat_template
 
-__all__ = ["ConfigError", "JobConfig", "Derived", "Batching", "DataConfig", "ModelConfig", "ActorConfig", "RefConfig",
-           "RolloutSection", "CriticConfig", "ToolsConfig", "AlgorithmConfig", "TrainerConfig", "OptimConfig",
-           "FSDPConfig", "RefFSDPConfig", "CriticModelConfig", "PolicyLossConfig", "CheckpointConfig", "KLCtrlConfig",
-           "MultiTurnConfig", "ValKwargs", "RayInitConfig", "RewardModelConfig", "CustomRewardFunctionConfig",
-           "ActorRolloutRefConfig", "ROLLOUT_MODES", "ROLLOUT_NAMES", "VLLM_ONLY_KEYS", "MODEL_DTYPE_NAMES",
-           "resolve_model_dtype", "from_mapping", "to_dict", "choices", "NOT_IMPLEMENTED", "TYPE_IS_THE_RULE",
-           "not_implemented_problems",
-           "kl_term_active"]
+__all__ = ["ConfigError", "JobConfig", "Derived", "Batching", "RolloutCorrection", "DataConfig",
+           "ModelConfig", "ActorConfig", "RefConfig", "RolloutSection", "CriticConfig", "ToolsConfig",
+           "AlgorithmConfig", "TrainerConfig", "OptimConfig", "FSDPConfig", "RefFSDPConfig",
+           "MixedPrecisionConfig", "CriticModelConfig", "PolicyLossConfig", "CheckpointConfig",
+           "KLCtrlConfig", "MultiTurnConfig", "ValKwargs", "RayInitConfig", "RewardModelConfig",
+           "CustomRewardFunctionConfig", "ActorRolloutRefConfig", "ROLLOUT_MODES", "ROLLOUT_NAMES",
+           "VLLM_ONLY_KEYS", "MODEL_DTYPE_NAMES", "resolve_model_dtype", "from_mapping", "to_dict",
+           "choices", "NOT_IMPLEMENTED", "TYPE_IS_THE_RULE", "not_implemented_problems", "kl_term_active"]
 
 AR = "actor_rollout_ref"
 
@@ -133,6 +134,18 @@ def _micro_per_worker(global_size: int | None, per_gpu: int, dp: int) -> int:
 
 
 @dataclass(frozen=True)
+class RolloutCorrection:
+    """The algorithm.rollout_is_* settings the actor's update needs (docs/algorithms.md, "Rollout
+    correction"): importance weights exp(log π_old − log π_rollout), capped at `threshold`, per token
+    or per sequence (`level`), recorded as metrics, and applied to the policy loss when `apply`."""
+
+    threshold: float
+    level: str = "token"
+    mode: str = "truncate"
+    apply: bool = False
+
+
+@dataclass(frozen=True)
 class Derived:
     """Facts that depend on several keys, computed once by `JobConfig.derived`: user keys keep the
     meaning they have in the YAML, and whatever a worker needs in other units is a field here."""
@@ -164,6 +177,11 @@ class Derived:
     """the critic's update: critic.ppo_mini_batch_size prompts × rollout.n ÷ world per step."""
     critic_values: Batching
     """the critic's value pass (its micro size, forward_max_token_len_per_gpu)."""
+    rollout_correction: RolloutCorrection | None = None
+    """algorithm.rollout_is_threshold and its keys (None: off); the actor gets it when it is built."""
+    temperature: float = 1.0
+    """rollout.temperature: the log-prob passes and the update divide the logits by it, as the
+    engine did when it sampled (the actor gets it when it is built, not with each batch)."""
     chat_template: str | None = None
     """data.custom_chat_template (the file's text when it names one): the rollout renders the hermes
     format's tool messages with the template that rendered the prompts."""
@@ -194,12 +212,17 @@ class JobConfig:
         on_policy = (a.skip_old_log_prob_on_policy and a.ppo_epochs == 1 and a.ppo_mini_batch_size * n >= trajectories
                      and not kl_reward)
         asp, csp = max(1, int(a.ulysses_sequence_parallel_size)), max(1, int(c.ulysses_sequence_parallel_size))
+        correction = None
+        if algo.rollout_is_threshold is not None:
+            correction = RolloutCorrection(float(algo.rollout_is_threshold), algo.rollout_is_level,
+                                           algo.rollout_is_mode, bool(algo.rollout_is))
         return Derived(
             world_size=world, actor_sp=asp, critic_sp=csp, kl_loss_active=kl_loss, kl_in_reward_active=kl_reward,
             need_ref=kl_loss or kl_reward, need_critic=algo.adv_estimator == "gae", on_policy=on_policy,
             actor_update=Batching.for_update(a, n, world, asp), actor_log_prob=Batching.for_log_prob(r, world, asp),
             ref_log_prob=Batching.for_log_prob(ref, world, asp), critic_update=Batching.for_update(c, n, world, csp),
-            critic_values=Batching.for_values(c, world, csp),
+            critic_values=Batching.for_values(c, world, csp), rollout_correction=correction,
+            temperature=float(r.temperature),
             chat_template=load_chat_template(self.data.custom_chat_template),
             chat_template_kwargs=dict(self.data.apply_chat_template_kwargs or {}))
 

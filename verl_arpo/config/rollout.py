@@ -155,6 +155,9 @@ class RolloutSection:
         if rate is not None and not 0.0 < rate <= 1.0:
             out.append((f"{where}.tools.infra_failure_stop_rate", f"{rate} must be in (0, 1] (a share of a step's "
                         "trajectories), or null to never stop"))
+        if not self.temperature > 0:  # the update scores the sampled tokens under logits / temperature
+            out.append((f"{where}.temperature", f"{self.temperature} must be > 0: training samples and its log-probs "
+                        "divide the logits by it (greedy decoding is for validation: val_kwargs.temperature=0)"))
         if not 0.0 <= self.branch_probability <= 1.0:
             out.append((f"{where}.branch_probability", "must be a number in [0, 1]"))
         tp = self.tensor_model_parallel_size

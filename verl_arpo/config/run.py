@@ -8,9 +8,11 @@ several sections live in `JobConfig.problems` (config/__init__.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from verl_arpo.config.typed import Problems
 from verl_arpo.config.training import KLPenalty
@@ -144,17 +146,51 @@ class AlgorithmConfig:
         return out
 
 
+DEFAULT_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+"""Environment of the driver and of every Ray worker; ray_init.runtime_env.env_vars override it."""
+
+
+class WorkerEnv(NamedTuple):
+    """The workers' environment variables, split where they go (trainer/main_ppo.py, ray_trainer.py):
+    `public` into Ray's runtime_env (which Ray's agent writes into its log), `secrets` (credential-named
+    ones, utils/secrets.py) into the driver's environment and, by a method call, each worker's."""
+
+    public: dict[str, str]
+    secrets: dict[str, str]
+
+
 @dataclass(frozen=True)
 class RayInitConfig:
     address: str | None = None
     num_cpus: int | None = None
     runtime_env: dict = field(default_factory=lambda: {"env_vars": {}})
+    """Ray's runtime_env, free-form (working_dir, pip, ...), but for `env_vars`: a mapping of names
+    to a string, a number or true/false, checked here and split once (`worker_env`)."""
     include_dashboard: bool = False
 
     def problems(self, where: str) -> Problems:
+        out = []
         if self.num_cpus is not None and self.num_cpus < 1:
-            return [(f"{where}.num_cpus", "must be null (all CPUs) or an integer >= 1")]
-        return []
+            out.append((f"{where}.num_cpus", "must be null (all CPUs) or an integer >= 1"))
+        env = (self.runtime_env or {}).get("env_vars")
+        if env is not None and not isinstance(env, Mapping):
+            out.append((f"{where}.runtime_env.env_vars", f"must be a mapping of NAME: value, got {type(env).__name__}"))
+        elif env:
+            out += [(f"{where}.runtime_env.env_vars.{k}", f"must be a string, a number or true/false (an environment "
+                     f"variable's value), got {type(v).__name__}")
+                    for k, v in env.items() if v is None or not isinstance(v, (str, int, float, bool))]
+        return out
+
+    @functools.cached_property
+    def worker_env(self) -> WorkerEnv:
+        """DEFAULT_RAY_ENV overridden by runtime_env.env_vars, as strings (true/false lower-case),
+        split into what Ray may log and the credentials that must stay out of its logs."""
+        from verl_arpo.utils.secrets import secret_env_vars
+
+        merged = {**DEFAULT_RAY_ENV, **((self.runtime_env or {}).get("env_vars") or {})}
+        merged = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in merged.items()}
+        secrets = secret_env_vars(merged)
+        return WorkerEnv({k: v for k, v in merged.items() if k not in secrets}, secrets)
 
 
 @dataclass(frozen=True)

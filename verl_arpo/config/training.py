@@ -103,13 +103,28 @@ class OptimConfig:
         return _positive(where, "lr", self.lr, "the learning rate") + _positive(where, "eps", self.eps, "AdamW epsilon")
 
 
+PrecisionName = Literal["bfloat16", "bf16", "float16", "fp16", "float32", "fp32"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionConfig:
+    """`fsdp_config.mixed_precision` (FSDP2's MixedPrecisionPolicy, sharded_model.fsdp_mixed_precision):
+    the dtype the parameters are cast to for the forward and backward, and the dtype gradients are
+    reduced in; the optimizer keeps the weights in their load dtype (model_dtype). verl's FSDP1-only
+    `buffer_dtype` is not a key here: FSDP2 keeps buffers in the model's dtype."""
+
+    param_dtype: PrecisionName = "bfloat16"
+    reduce_dtype: PrecisionName = "float32"
+
+
 @dataclass(frozen=True)
 class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     reshard_after_forward: bool = True
     fsdp_size: int = -1
-    mixed_precision: dict | None = None
+    mixed_precision: MixedPrecisionConfig | None = None
+    """null: bf16 parameters with fp32 reduction on CUDA, none (fp32) on the CPU."""
     model_dtype: ModelDtype | None = field(default=None, metadata={"hint": _DTYPE_HINT})  # sharded_model.model_dtype
 
 
@@ -188,7 +203,7 @@ def update_sizes_problems(section: "ActorConfig | CriticConfig", where: str) -> 
 class RefFSDPConfig:
     param_offload: bool = False
     reshard_after_forward: bool = True
-    mixed_precision: dict | None = None
+    mixed_precision: MixedPrecisionConfig | None = None
     model_dtype: ModelDtype | None = field(default=None, metadata={"hint": _DTYPE_HINT})
 
 

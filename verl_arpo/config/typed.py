@@ -13,6 +13,7 @@ A field's annotation is the rule (docs/configuration.md, "How a value is checked
     X | None        null, or an X
     dict, tuple     a mapping; a list (a tuple field takes a list)
     a dataclass     a section: a mapping (null = all defaults); an unknown key is a problem naming it
+    a dataclass | None   null (the section is off), or a section as above
 
 `???` (a required value not given, or an interpolation to one) is read as null, so the section's own
 `problems()` names what is required; an interpolation that does not resolve is a problem naming the
@@ -182,6 +183,17 @@ def _value(value: Any, typ: Any, hint: str) -> Any:
 
 
 
+def _section_type(typ: Any) -> type | None:
+    """The dataclass of a section field (`X` or `X | None`), else None."""
+    if is_dataclass(typ):
+        return typ
+    if typing.get_origin(typ) in (typing.Union, _UnionType):
+        members = [m for m in typing.get_args(typ) if m is not type(None)]
+        if len(members) == 1 and is_dataclass(members[0]) and type(None) in typing.get_args(typ):
+            return members[0]
+    return None
+
+
 def build(cls: type, data: Any, where: str) -> tuple[Any, Problems]:
     """An instance of dataclass `cls` from `data` (a mapping, an OmegaConf tree, None for all defaults,
     or already an instance), and every problem found on the way. A bad value is replaced by the
@@ -204,8 +216,9 @@ def build(cls: type, data: Any, where: str) -> tuple[Any, Problems]:
             continue
         key = f"{where}.{name}".lstrip(".")
         typ = hints[name]
-        if is_dataclass(typ):
-            kwargs[name], found = build(typ, value, key)
+        section = _section_type(typ)
+        if section is not None and not (value is None and typ is not section):
+            kwargs[name], found = build(section, value, key)
             problems += found
             continue
         try:

@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from verl_arpo.trainer.ppo.metrics import pass_at_k  # noqa: F401  (one pass@k: validation's, re-exported)
+from verl_arpo.utils.stats import pass_at_k, wilson_interval  # noqa: F401  (re-exported: main_eval's names)
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
 from verl_arpo.config import ROLLOUT_MODES
 
@@ -62,17 +62,6 @@ logger = logging.getLogger("verl_arpo.eval")
 QUESTION_KEYS = ("question", "Question", "problem", "query", "input")
 ANSWER_KEYS = ("answer", "Final answer", "final_answer", "answers", "golden_answers", "ground_truth",
                "gold", "target")
-
-
-# --------------------------------------------------------------------------- statistics
-def wilson_interval(p_hat: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion p_hat observed over n trials."""
-    if n == 0:
-        return (0.0, 1.0)
-    denom = 1 + z * z / n
-    centre = (p_hat + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p_hat * (1 - p_hat) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 # --------------------------------------------------------------------------- data

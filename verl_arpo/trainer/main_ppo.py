@@ -30,14 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 from verl_arpo.trainer.config import ConfigError, mask_secrets, validate_config
 from verl_arpo.trainer.local_ray import LocalRayHead
 from verl_arpo.utils.resources import config_dir
-from verl_arpo.utils.secrets import secret_env_vars
 from verl_arpo.config import JobConfig
+from verl_arpo.config.run import DEFAULT_RAY_ENV
 
 CONFIG_DIR = config_dir()
 """Absolute path of the repository's configs/ folder (Hydra's default --config-path)."""
-
-DEFAULT_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
-"""Environment of the driver and of every Ray worker; ray_init.runtime_env.env_vars override it."""
 
 
 def format_config(cfg: DictConfig) -> str:
@@ -92,14 +89,12 @@ def init_ray(job: JobConfig, own_session: bool = False) -> bool:
         os.environ.setdefault(key, value)
     ray_cfg = job.ray_init
     runtime_env = dict(ray_cfg.runtime_env or {})  # free-form: Ray's runtime_env fields
-    env_vars = {**DEFAULT_RAY_ENV, **(runtime_env.get("env_vars") or {})}
-    env_vars = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env_vars.items()}
     # Ray's runtime-env agent writes the whole runtime_env into its log: credentials stay out of it.
     # The driver keeps them in its environment (its reward functions), and the trainer hands them to
     # every worker with a method call before the workers build anything (RayPPOTrainer.init_workers)
-    secrets = secret_env_vars(env_vars)
+    public, secrets = ray_cfg.worker_env
     os.environ.update(secrets)
-    runtime_env["env_vars"] = {k: v for k, v in env_vars.items() if k not in secrets}
+    runtime_env["env_vars"] = dict(public)
     if ray_cfg.address:
         ray.init(address=str(ray_cfg.address), runtime_env=runtime_env)
     elif own_session:
@@ -203,7 +198,7 @@ def run_refusal(exc: BaseException) -> tuple[int, str] | None:
     actor_rollout_ref.rollout.tools.infra_failure_stop_rate (after a checkpoint)."""
     from verl_arpo.single_controller.ray.base import WorkerGroupTimeoutError
     from verl_arpo.trainer.ppo.tool_outages import ToolOutageError
-    from verl_arpo.trainer.ppo.trainer_checkpoints import DifferentRunError
+    from verl_arpo.trainer.ppo.run_directory import DifferentRunError
     from verl_arpo.utils.checkpoint.integrity import RunDirLockedError
 
     chain = []

@@ -133,7 +133,9 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                           update=self.derived.actor_update, use_kl_loss=self.derived.kl_loss_active,
                                           use_remove_padding=mcfg.use_remove_padding,
                                           use_prefix_sharing=mcfg.use_prefix_sharing, shuffle_seed=seed,
-                                          sp=self.sp, device=self.device)
+                                          sp=self.sp, device=self.device, temperature=self.derived.temperature,
+                                          on_policy=self.derived.on_policy,
+                                          rollout_correction=self.derived.rollout_correction)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
             checkpoint_contents=tuple(acfg.checkpoint.contents), hf_config=self.hf_config)
@@ -143,7 +145,7 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
             # no actor keys apply: it only computes log-probs (micro-batches: derived.ref_log_prob)
             self.ref_policy = DataParallelPPOActor(None, self.ref_module, use_remove_padding=mcfg.use_remove_padding,
                                                    use_prefix_sharing=mcfg.use_prefix_sharing, sp=self.sp,
-                                                   device=self.device)
+                                                   device=self.device, temperature=self.derived.temperature)
         self._build_rollout(path)
         # No weight sync here when the engine loaded the same checkpoint (a fresh LoRA merges to the
         # base weights, B = 0); a resumed run syncs in load_checkpoint. With vLLM's load_format=dummy
@@ -247,19 +249,19 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
+        """`old_log_probs` [B, R] and `entropy_sum` [B]: each row's entropy summed over its response
+        mask, all the trainer needs for the token-mean `actor/entropy` (not the [B, R] tensor)."""
         data, shares = gather_group_data(data, self.sp)
         with HOST_MEMORY.phase("log_prob"):
             log_probs, entropy = self.actor.compute_log_prob(data, self.derived.actor_log_prob, calculate_entropy=True)
         maybe_reshard(self.actor_module)
         release_host_memory()
-        out = DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropys": entropy},
-                                  meta_info={"temperature": data.meta_info["temperature"]})
+        mask = data.batch["response_mask"].to(entropy.dtype)
+        out = DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropy_sum": (entropy * mask).sum(-1)})
         return local_rows(out, shares, self.sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
         data, shares = gather_group_data(data, self.sp)
         batching = self.derived.ref_log_prob
         if self.lora:  # the reference is the base model: adapters off
@@ -274,7 +276,6 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
-        data.meta_info.setdefault("temperature", float(self.config.rollout.temperature))
         data, _ = gather_group_data(data, self.sp)
         offload = bool(self.config.actor.fsdp_config.optimizer_offload)  # a no-op on the CPU, same path
         if offload:  # the moments go where their parameters are (the host too, under param_offload)

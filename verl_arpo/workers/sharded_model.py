@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from verl_arpo.config import resolve_model_dtype
+from verl_arpo.config import MixedPrecisionConfig, resolve_model_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +149,21 @@ def model_dtype(value: str | None, trained: bool, device_type: str) -> torch.dty
     return getattr(torch, resolve_model_dtype(value, trained, device_type))
 
 
-def fsdp_mixed_precision(mixed_precision: dict | None, device_type: str):
-    """The FSDP2 MixedPrecisionPolicy: `mixed_precision` ({param_dtype, reduce_dtype}, each optional), or
-    on CUDA bf16 params with fp32 gradient reduction; None (plain fp32) on CPU without a setting."""
+_PRECISION = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+              "float32": torch.float32, "fp32": torch.float32}
+
+
+def fsdp_mixed_precision(mixed_precision: "MixedPrecisionConfig | None", device_type: str):
+    """The FSDP2 MixedPrecisionPolicy of `fsdp_config.mixed_precision`, or with none set bf16 params
+    with fp32 gradient reduction on CUDA; None (plain fp32) on the CPU without a setting."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if device_type != "cuda" and not mixed_precision:
-        return None
-    mp = mixed_precision or {}
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, mp.get("param_dtype", "bfloat16")),
-                                reduce_dtype=getattr(torch, mp.get("reduce_dtype", "float32")))
+    if mixed_precision is None:
+        if device_type != "cuda":
+            return None
+        mixed_precision = MixedPrecisionConfig()
+    return MixedPrecisionPolicy(param_dtype=_PRECISION[mixed_precision.param_dtype],
+                                reduce_dtype=_PRECISION[mixed_precision.reduce_dtype])
 
 
 def shard_fsdp2(model: torch.nn.Module, mesh, *, mp_policy=None, reshard_after_forward: bool = True,

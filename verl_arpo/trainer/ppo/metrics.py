@@ -3,7 +3,6 @@ plus validation summaries (mean score per data_source, unbiased pass@k)."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from contextlib import contextmanager
 from time import perf_counter
@@ -11,6 +10,8 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+
+from verl_arpo.utils.stats import pass_at_k
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -66,16 +67,6 @@ def timed(name: str, timing: dict[str, float]):
         yield
     finally:
         timing[name] = timing.get(name, 0.0) + perf_counter() - t0
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 − C(n−c, k)/C(n, k) for n samples with c correct (the one
-    pass@k: validation here, main_eval's reports)."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
 def validation_metrics(data_sources: Iterable[str], uids: Iterable, scores: Iterable[float],

@@ -24,7 +24,7 @@ from verl_arpo.protocol import DataProto, as_object_array
 from verl_arpo.algos import core_algos
 from verl_arpo.utils.dataset.batch_order import epoch_order
 from verl_arpo.trainer.config import resolve_device
-from verl_arpo.trainer.ppo.trainer_checkpoints import TrainerCheckpoints
+from verl_arpo.trainer.ppo.run_directory import RunDirectory
 from verl_arpo.config import JobConfig
 from verl_arpo.trainer.ppo.metrics import (
     compute_data_metrics,
@@ -33,7 +33,6 @@ from verl_arpo.trainer.ppo.metrics import (
     timed,
     validation_metrics,
 )
-from verl_arpo.utils.torch_functional import masked_mean
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, 
     return batch
 
 
-class RayPPOTrainer(TrainerCheckpoints):
+class RayPPOTrainer:
     """Owns the worker groups, the data order, tracking and checkpoints; `fit()` runs training."""
 
     def __init__(self, config: JobConfig, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
@@ -136,16 +135,15 @@ class RayPPOTrainer(TrainerCheckpoints):
         self.wandb_run_id: str | None = None  # continued by a resumed run (stored in data.pt)
         self.last_checkpoint: str | None = None
         self._val_samples: list[dict] = []   # picked by validate, logged with its step's metrics
-        self._run_lock = None                 # the run directory's lock, from init_workers to shutdown
+        self.run_dir = RunDirectory(config)   # its lock is held from init_workers to shutdown
 
     # ------------------------------------------------------------------ workers
     def init_workers(self):
-        self._acquire_run_lock()
+        self.run_dir.acquire_lock()
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl_arpo.single_controller.ray.resource_pool import ClusterTooSmallError
         from verl_arpo.config import ConfigError
         from verl_arpo.utils.device import cuda_worker_env
-        from verl_arpo.utils.secrets import secret_env_vars
         from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
@@ -166,14 +164,14 @@ class RayPPOTrainer(TrainerCheckpoints):
                                f"{exc.nodes_needed} node(s) (each needs {exc.per_node}; its nodes have {exc.nodes} "
                                f"{unit}); set {fix}")]) from None
         timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
-        env = cuda_worker_env((cfg.ray_init.runtime_env or {}).get("env_vars")) if use_gpu else {}
+        env = cuda_worker_env(cfg.ray_init.worker_env.public) if use_gpu else {}
         self.actor_rollout_wg = RayWorkerGroup(
             self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
                                                      derived=cfg.derived, role="actor_rollout_ref"),
             name_prefix="actor_rollout_ref", call_timeout=timeout, env_vars=env)
         # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
         # tools read their keys when they are built
-        secrets = secret_env_vars((cfg.ray_init.runtime_env or {}).get("env_vars"))
+        secrets = cfg.ray_init.worker_env.secrets
         if secrets:
             self.actor_rollout_wg.execute_all("set_environment", secrets)
         self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.seed))
@@ -192,7 +190,7 @@ class RayPPOTrainer(TrainerCheckpoints):
 
     def shutdown(self):
         """Kill the worker actors, release the placement groups (a driver may train again) and the run lock."""
-        self._release_run_lock()
+        self.run_dir.release_lock()
         for name in ("critic_wg", "actor_rollout_wg"):
             wg = getattr(self, name, None)
             if wg is not None:
@@ -200,6 +198,37 @@ class RayPPOTrainer(TrainerCheckpoints):
         pool = getattr(self, "resource_pool", None)
         if pool is not None:
             pool.remove()
+
+    # ------------------------------------------------------------------ checkpoints (run_directory.py)
+    def _checkpointed_groups(self) -> dict:
+        return {"actor": self.actor_rollout_wg, **({"critic": self.critic_wg} if self.use_critic else {})}
+
+    def save_checkpoint(self, step: int) -> str:
+        state = {"kl_coef": self.kl_ctrl.value if self.kl_ctrl else None,
+                 "consecutive_skipped": self.consecutive_skipped, "wandb_run_id": self.wandb_run_id}
+        self.last_checkpoint = self.run_dir.save(step, self._checkpointed_groups(), state)
+        return self.last_checkpoint
+
+    def load_checkpoint(self) -> int:
+        """Resume per trainer.resume_mode; returns the step the checkpoint finished (0 = fresh)."""
+        path = self.run_dir.resume_point()
+        if path is None:
+            return 0
+        state = self.run_dir.load_state(path)
+        for name, group in self._checkpointed_groups().items():
+            group.load_checkpoint(os.path.join(path, name))
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = state["kl_coef"]
+        self.wandb_run_id = state.get("wandb_run_id")
+        self.consecutive_skipped = int(state.get("consecutive_skipped") or 0)   # the skip limit spans a resume
+        self.last_checkpoint = path
+        step = int(state["global_step"])
+        print(f"[verl_arpo] resumed from {path} (step {step})", flush=True)
+        if step >= self.total_training_steps:
+            print(f"[verl_arpo] the run in {self.run_dir.root} is already complete (step {step} >= "
+                  f"total_training_steps={self.total_training_steps}): nothing to train. Raise "
+                  "trainer.total_training_steps to continue it, or use a new trainer.default_local_dir", flush=True)
+        return step
 
     # ------------------------------------------------------------------ data order (resumable)
     def _batch_indices(self, step: int) -> np.ndarray:
@@ -219,10 +248,19 @@ class RayPPOTrainer(TrainerCheckpoints):
     # ------------------------------------------------------------------ one step
     def _rollout(self, batch: DataProto, step: int, validate: bool = False) -> tuple[DataProto, dict]:
         batch.non_tensor_batch["uid"] = as_object_array([f"{'v' if validate else 's'}{step}-{i}" for i in range(len(batch))])
-        gen = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=["uid"])
-        gen.non_tensor_batch["uid"] = batch.non_tensor_batch["uid"] = gen.non_tensor_batch["uid"]
-        if "raw_prompt" in batch.non_tensor_batch:   # the hermes format's sanity check renders the messages again
-            gen.non_tensor_batch["raw_prompt"] = batch.non_tensor_batch["raw_prompt"]
+        # The prompt columns leave the batch here: only the rollout reads them, and its output holds the
+        # prompt + response layout the update trains on, so nothing is repeated n-fold below. The
+        # rollout takes the unpadded ids (raw_prompt_ids) and pads once, when it builds that layout; a
+        # dataset without them sends its padded tensors. raw_prompt: the hermes format's sanity check.
+        padded = [k for k in ("input_ids", "attention_mask", "position_ids") if k in batch.batch.keys()]
+        if "raw_prompt_ids" in batch.non_tensor_batch:
+            batch.pop(batch_keys=padded)
+            gen = batch.pop(non_tensor_batch_keys=["raw_prompt_ids"])
+        else:
+            gen = batch.pop(batch_keys=padded)
+        gen.non_tensor_batch["uid"] = batch.non_tensor_batch["uid"]
+        if "raw_prompt" in batch.non_tensor_batch:
+            gen.non_tensor_batch["raw_prompt"] = batch.non_tensor_batch.pop("raw_prompt")
         gen.meta_info = {"global_steps": step, "validate": validate}
         out = self.actor_rollout_wg.generate_sequences(gen)
         n = len(out) // len(batch)
@@ -284,8 +322,8 @@ class RayPPOTrainer(TrainerCheckpoints):
             if not on_policy:  # else the update's own forward gives π_old (detached)
                 with timed("old_log_prob", timing):
                     lp = self.actor_rollout_wg.compute_log_prob(batch)
-                    entropy = lp.batch.pop("entropys")
-                    metrics["actor/entropy"] = masked_mean(entropy, batch.batch["response_mask"]).item()
+                    tokens = batch.batch["response_mask"].sum().clamp(min=1)
+                    metrics["actor/entropy"] = (lp.batch.pop("entropy_sum").sum() / tokens).item()
                     batch = batch.union(lp)
             if self.use_reference_policy:
                 with timed("ref", timing):
@@ -308,17 +346,10 @@ class RayPPOTrainer(TrainerCheckpoints):
             if self.use_critic:
                 with timed("update_critic", timing):
                     metrics.update(reduce_metrics(self.critic_wg.update_critic(batch).meta_info["metrics"]))
-            if cfg.algorithm.rollout_is_threshold is not None:  # rollout correction (rollout_mismatch.py)
-                batch.meta_info["rollout_is"] = {
-                    "threshold": float(cfg.algorithm.rollout_is_threshold), "level": cfg.algorithm.rollout_is_level,
-                    "mode": cfg.algorithm.rollout_is_mode, "apply": bool(cfg.algorithm.rollout_is)}
             if int(cfg.trainer.critic_warmup) < step:
                 with timed("update_actor", timing):
                     metrics.update(reduce_metrics(self.actor_rollout_wg.update_actor(batch).meta_info["metrics"]))
-                self._count_skipped_update(metrics)
-                if on_policy and "actor/update_entropy" in metrics:
-                    # one mini-batch, one epoch: the update's only forward runs π_old itself
-                    metrics["actor/entropy"] = metrics["actor/update_entropy"]
+                self._count_skipped_update(metrics)  # on-policy, the update reported actor/entropy itself
                 with timed("weight_sync", timing):
                     self.actor_rollout_wg.sync_rollout_weights()
             for key, vals in (extra or {}).items():
@@ -399,11 +430,11 @@ class RayPPOTrainer(TrainerCheckpoints):
         from verl_arpo.utils.tracking import Tracking, parse_logger
 
         cfg = self.config.trainer
-        with self._holding_run_lock(), PreemptionGuard(cfg.preemption_grace_s) as preempt:
+        with self.run_dir.holding_lock(), PreemptionGuard(cfg.preemption_grace_s) as preempt:
             start = self.load_checkpoint()  # first: a resumed run continues its wandb run
             tracker = Tracking(project_name=cfg.project_name, experiment_name=cfg.experiment_name,
                                default_backend=parse_logger(cfg.logger), config=mask_secrets(dataclasses.asdict(self.config)),
-                               log_dir=os.path.join(self._ckpt_root(), "logs"), wandb_run_id=self.wandb_run_id)
+                               log_dir=os.path.join(self.run_dir.root, "logs"), wandb_run_id=self.wandb_run_id)
             self.wandb_run_id = tracker.wandb_run_id
             tracker.set_total(self.total_training_steps)
             last_metrics: dict[str, float] = {}
@@ -469,7 +500,7 @@ def slow_bf16_keys(config: JobConfig, fast_bf16: bool | None = None, device: str
     arr = config.actor_rollout_ref
     keys = {"actor_rollout_ref.rollout.dtype": arr.rollout.dtype,
             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype":
-                (arr.actor.fsdp_config.mixed_precision or {}).get("param_dtype")}
+                getattr(arr.actor.fsdp_config.mixed_precision, "param_dtype", None)}
     return [f"{key}={value}: this CPU has no native bf16 matmul (no amx_bf16 / avx512_bf16 flag), so bf16 "
             f"compute is emulated and ~50x slower than fp32; set {key}=float32" for key, value in keys.items()
             if value in ("bfloat16", "bf16")]
@@ -493,8 +524,6 @@ def run_ppo(config: JobConfig, keep_workers: bool = False):
     from verl_arpo.workers.reward_manager import load_reward_manager
 
     config = _typed(config)
-    for line in slow_bf16_keys(config):
-        logger.warning(line)
     model_path = config.actor_rollout_ref.model.path
     tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer or model_path)
     tools = None
@@ -507,6 +536,8 @@ def run_ppo(config: JobConfig, keep_workers: bool = False):
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
     trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn)
+    for line in slow_bf16_keys(config, device=trainer.device):   # the device the trainer resolved, once
+        logger.warning(line)
     try:
         trainer.init_workers()
         metrics = trainer.fit()

@@ -4,8 +4,11 @@ Data layout (from the rollout; P prompt slots left-padded, R response slots righ
 `input_ids`, `attention_mask`, `position_ids` [B, P+R]; `responses`, `response_mask` [B, R]
 (loss mask m: 0 on tool results, forced tokens, padding); for the update also `old_log_probs`,
 `advantages` and, with an active KL loss (use_kl_loss and kl_loss_coef ≠ 0), `ref_log_prob` [B, R]. logits[:, −R−1:−1] score the responses.
-Without `old_log_probs` the update must be strictly on-policy (ppo_epochs=1, one mini-batch): π_old
-is then the update's own forward, detached (ratio 1, same gradient), saving a whole forward pass.
+An actor built with `on_policy=True` (JobConfig.derived.on_policy: ppo_epochs=1, one mini-batch,
+nothing else reading π_old) takes π_old from the update's own forward, detached (ratio 1, same
+gradient), so the trainer skips the old-log-prob pass; it then also reports `actor/entropy`, the
+entropy of that π_old. The settings that come from the config (the rollout temperature, on-policy,
+the rollout correction) are constructor arguments: a batch carries data only.
 
 Exact mini-batch objective. One optimizer step = one mini-batch. Every micro-batch loss is
 aggregated with the *mini-batch's* global counts (core_algos.agg_loss: `batch_num_tokens` = valid
@@ -37,7 +40,7 @@ import torch
 from verl_arpo.algos.core_algos import agg_loss, compute_entropy_aware_advantage, get_policy_loss_fn, kl_penalty
 from verl_arpo.algos.rollout_mismatch import mismatch_metrics, rollout_is_weights
 from verl_arpo.utils.device import without_cudnn_attention
-from verl_arpo.config import ActorConfig, Batching
+from verl_arpo.config import ActorConfig, Batching, RolloutCorrection
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,
@@ -74,6 +77,11 @@ class DataParallelPPOActor:
     use_remove_padding: packed sequences (the worker passes `model.use_remove_padding`).
     use_prefix_sharing: the packed rows as a prefix tree, and token budgets that keep a prompt's rows
     together (`model.use_prefix_sharing`). shuffle_seed: seeds the mini-batch shuffle (actor.shuffle).
+    temperature: the rollout temperature (`JobConfig.derived.temperature`); every log-prob and entropy
+    is of logits / temperature, the distribution the engine sampled from. on_policy: π_old is the
+    update's own forward (`JobConfig.derived.on_policy`; the batch then has no `old_log_probs`).
+    rollout_correction: the rollout–training importance weights (`JobConfig.derived.rollout_correction`;
+    None: off; the batch must then carry the engine's `rollout_log_probs`).
     dp_group: the data-parallel process group for loss counts and micro-batch counts (None = the
     default group; with `sp`, its dp group). sp: Ulysses sequence parallelism (`ulysses_sequence_parallel_size`,
     verl_arpo.utils.ulysses; needs use_remove_padding): every rank of an sp group holds the same batch,
@@ -87,9 +95,16 @@ class DataParallelPPOActor:
     def __init__(self, config: ActorConfig | None, actor_module: torch.nn.Module, actor_optimizer=None, *,
                  update: Batching | None = None, use_kl_loss: bool = False, use_remove_padding: bool = False,
                  use_prefix_sharing: bool = False, shuffle_seed: int = 0, dp_group=None,
-                 sp: SequenceParallel | None = None, device: torch.device | None = None):
+                 sp: SequenceParallel | None = None, device: torch.device | None = None,
+                 temperature: float = 1.0, on_policy: bool = False,
+                 rollout_correction: RolloutCorrection | None = None):
         self.config: ActorConfig = config if config is not None else ActorConfig()  # None: a reference policy
         self.update = update
+        if not (float(temperature) > 0):
+            raise ValueError(f"actor_rollout_ref.rollout.temperature must be > 0 for log-probs, got {temperature}")
+        self.temperature = float(temperature)
+        self.on_policy = bool(on_policy)
+        self.rollout_correction = rollout_correction
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
@@ -142,14 +157,11 @@ class DataParallelPPOActor:
 
     def compute_log_prob(self, data, batching: Batching,
                          calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log π(response token) [B, R] (and entropy [B, R] or None), in the input row order.
-
-        meta_info: temperature (required; logits are divided by it). batching: this pass's
-        micro-batches (`JobConfig.derived.actor_log_prob` or `.ref_log_prob`).
+        """log π(response token) [B, R] (and entropy [B, R] or None), in the input row order, of the
+        logits divided by the actor's temperature. batching: this pass's micro-batches
+        (`JobConfig.derived.actor_log_prob` or `.ref_log_prob`).
         """
-        meta = data.meta_info
-        if "temperature" not in meta:
-            raise KeyError("compute_log_prob needs meta_info['temperature'] (the rollout temperature)")
+        self._check_batch_temperature(data.meta_info, "compute_log_prob")
         use_dynamic, micro_size, max_len = batching.use_dynamic_bsz, batching.micro_batch, batching.max_token_len
         self.actor_module.eval()
         batch = data.select(batch_keys=["responses", "input_ids", "attention_mask", "position_ids"]).batch
@@ -158,7 +170,7 @@ class DataParallelPPOActor:
         log_probs, entropies = [], []
         with torch.no_grad():
             for micro in micro_batches:
-                ent, lp = self._forward_micro_batch(to_device(micro, self.device), float(meta["temperature"]),
+                ent, lp = self._forward_micro_batch(to_device(micro, self.device), self.temperature,
                                                     calculate_entropy)
                 log_probs.append(lp.cpu())
                 entropies.append(ent.cpu() if ent is not None else None)
@@ -172,6 +184,16 @@ class DataParallelPPOActor:
             entropy = entropy[rev] if entropy is not None else None
         return log_probs, entropy
 
+    def _check_batch_temperature(self, meta: dict, caller: str) -> None:
+        """verl's actor reads the temperature from each batch; ours is set when the actor is built.
+        A batch that still carries one must agree, so a caller written for verl cannot silently
+        score tokens at another temperature than it meant."""
+        if "temperature" in meta and float(meta["temperature"]) != self.temperature:
+            raise ValueError(f"{caller}: the batch's meta_info['temperature']={meta['temperature']} differs from the "
+                             f"actor's temperature {self.temperature}; the temperature is set when the actor is "
+                             "built (DataParallelPPOActor(temperature=...), from actor_rollout_ref.rollout."
+                             "temperature): drop it from meta_info")
+
     # -- update -------------------------------------------------------------------------------
     def _policy_loss_fn(self):
         mode = self.config.policy_loss.loss_mode
@@ -182,22 +204,21 @@ class DataParallelPPOActor:
             mode = "entropy_balanced"
         return get_policy_loss_fn(mode)
 
-    def _micro_loss(self, micro, temperature: float, agg: dict, policy_loss_fn,
-                    rollout_is: dict | None = None) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(self, micro, agg: dict, policy_loss_fn) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch (already scaled to the mini-batch objective) and its metrics.
 
         With the engine's `rollout_log_probs` in the batch, the rollout–training mismatch metrics
-        are recorded; with `rollout_is` (the trainer's algorithm.rollout_is_* settings) the capped
-        importance weights too, and applied to the policy loss when `rollout_is["apply"]`."""
+        are recorded; with a rollout correction the capped importance weights too, applied to the
+        policy loss when its `apply` is on."""
         c = self.config
         mode = c.loss_agg_mode
         entropy_coeff = float(c.entropy_coeff)
         aepo_adv = bool(c.enable_entropy_balanced_advantage)
         mask = micro["response_mask"]
         # [fix] H is computed whenever the AEPO advantage needs it, not only when entropy_coeff != 0.
-        on_policy = "old_log_probs" not in micro.keys()
+        on_policy = self.on_policy
         entropy, log_prob = self._forward_micro_batch(
-            micro, temperature, calculate_entropy=aepo_adv or entropy_coeff != 0 or on_policy,
+            micro, self.temperature, calculate_entropy=aepo_adv or entropy_coeff != 0 or on_policy,
             entropy_grad=entropy_coeff != 0)
         # Strictly on-policy (one epoch, one mini-batch): π_old is the current policy, so its
         # log-probs are this forward's, detached — the separate old-log-prob pass is skipped.
@@ -209,11 +230,12 @@ class DataParallelPPOActor:
         stats, loss_kwargs = {}, dict(agg)
         if "rollout_log_probs" in micro.keys():
             stats.update(mismatch_metrics(old_log_prob, micro["rollout_log_probs"], mask))
-            if rollout_is is not None:
+            rc = self.rollout_correction
+            if rc is not None:
                 weights, is_stats = rollout_is_weights(old_log_prob, micro["rollout_log_probs"], mask,
-                                                       rollout_is["threshold"], rollout_is["level"], rollout_is["mode"])
+                                                       rc.threshold, rc.level, rc.mode)
                 stats.update(is_stats)
-                if rollout_is["apply"]:
+                if rc.apply:
                     loss_kwargs["rollout_is_weights"] = weights
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
@@ -244,20 +266,22 @@ class DataParallelPPOActor:
         c = self.config
         if self.actor_optimizer is None:
             raise ValueError("update_policy needs an optimizer (actor_optimizer=None)")
-        if "temperature" not in data.meta_info:
-            raise KeyError("update_policy needs meta_info['temperature'] (the rollout temperature)")
-        temperature = float(data.meta_info["temperature"])
+        self._check_batch_temperature(data.meta_info, "update_policy")
         keys = ["responses", "input_ids", "attention_mask", "position_ids", "advantages"]
         if self.update is None:
             raise ValueError("update_policy needs the update's batching (DataParallelPPOActor(update=...): "
                              "JobConfig.derived.actor_update)")
         mini_size = int(self.update.mini_batch)
-        if "old_log_probs" in data.batch.keys():
+        if self.on_policy:
+            if int(c.ppo_epochs) != 1 or mini_size < len(data):
+                raise ValueError("the actor was built on-policy (π_old = the update's own forward) but this update "
+                                 f"is not: ppo_epochs={c.ppo_epochs}, mini-batches of {mini_size} trajectories for "
+                                 f"{len(data)} rows; build it with on_policy=False and pass 'old_log_probs'")
+        elif "old_log_probs" in data.batch.keys():
             keys.append("old_log_probs")
-        elif int(c.ppo_epochs) != 1 or mini_size < len(data):
-            raise KeyError("update_policy needs 'old_log_probs' (compute_log_prob) unless the update is strictly "
-                           f"on-policy: ppo_epochs=1 and one mini-batch (a mini-batch of {mini_size} "
-                           f"trajectories >= {len(data)} rows)")
+        else:
+            raise KeyError("update_policy needs 'old_log_probs' (compute_log_prob first), or an actor built with "
+                           "on_policy=True (JobConfig.derived.on_policy: ppo_epochs=1, one mini-batch)")
         if self.use_kl_loss:
             if "ref_log_prob" not in data.batch.keys():
                 raise KeyError("use_kl_loss is on with kl_loss_coef != 0 but the batch has no 'ref_log_prob': "
@@ -265,8 +289,7 @@ class DataParallelPPOActor:
             keys.append("ref_log_prob")
         if "rollout_log_probs" in data.batch.keys():  # the engine's own log-probs: mismatch metrics
             keys.append("rollout_log_probs")
-        rollout_is = data.meta_info.get("rollout_is")  # set by the trainer when rollout_is_threshold is set
-        if rollout_is is not None and "rollout_log_probs" not in data.batch.keys():
+        if self.rollout_correction is not None and "rollout_log_probs" not in data.batch.keys():
             raise KeyError("algorithm.rollout_is_threshold is set but the batch has no 'rollout_log_probs' "
                            "(the engine's log-probs): the rollout must record them")
         batch = data.select(batch_keys=keys).batch
@@ -297,7 +320,7 @@ class DataParallelPPOActor:
                                      f"micro-batch {micro_idx + 1}/{len(micro_batches)}")
                     micro = to_device(micro, self.device)
                     with HOST_MEMORY.phase("update/forward"):
-                        loss, stats = self._micro_loss(micro, temperature, agg, policy_loss_fn, rollout_is)
+                        loss, stats = self._micro_loss(micro, agg, policy_loss_fn)
                     non_finite_losses += not math.isfinite(loss.item())
                     # activation checkpointing re-runs the forward here: same attention kernels
                     with HOST_MEMORY.phase("update/backward"), without_cudnn_attention(self.device):
@@ -319,4 +342,8 @@ class DataParallelPPOActor:
         metrics["actor/non_finite_losses"] = float(non_finite_losses)
         if self.use_kl_loss:  # inactive KL loss: actor/kl_loss and actor/kl_coef are not logged
             metrics["actor/kl_coef"] = float(c.kl_loss_coef)
+        if self.on_policy and "actor/update_entropy" in metrics:
+            # one mini-batch, one epoch: the update's only forward is π_old, so its entropy is the
+            # rollout policy's (what the skipped old-log-prob pass would have reported)
+            metrics["actor/entropy"] = list(metrics["actor/update_entropy"])
         return dict(metrics)

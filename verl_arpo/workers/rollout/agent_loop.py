@@ -189,7 +189,7 @@ class AgentLoop:
         self._key = [self.seed, int(meta.get("global_steps", 0)), int(validate)]
         rng = np.random.default_rng(self._key)
         n, rule, sampling = self._mode(validate, meta)
-        prompt_ids = self._unpad_prompts(prompts)
+        prompt_ids = self._prompt_lists = self._prompt_ids(prompts)
         self._ids = defaultdict(int)
         self._stats: dict[str, float] = defaultdict(float)
         self._round_entropy: dict[int, list[float]] = defaultdict(list)
@@ -260,9 +260,31 @@ class AgentLoop:
         sp.logprobs = cfg.calculate_log_probs
         return n, rule, sp
 
-    def _unpad_prompts(self, prompts: DataProto) -> list[list[int]]:
+    @staticmethod
+    def _prompt_ids(prompts: DataProto) -> list[list[int]]:
+        """The prompts' token ids, unpadded: the dataset's `raw_prompt_ids` (what the trainer sends),
+        else (a verl caller that sends padded tensors, main_eval) `input_ids` where the mask is 1."""
+        raw = prompts.non_tensor_batch.get("raw_prompt_ids")
+        if raw is not None:
+            return [[int(t) for t in ids] for ids in raw]
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         return [row[m].tolist() for row, m in zip(ids, mask)]
+
+    def _padded_prompts(self, prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt half of the training layout ([B, P] ids and mask, left-padded): the caller's
+        tensors when it sent them, else the unpadded ids left-padded to rollout.prompt_length (the
+        dataset's width, data.max_prompt_length) or to the longest prompt if one is longer."""
+        if prompts.batch is not None and "input_ids" in prompts.batch.keys():
+            return prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        lists = self._prompt_lists
+        width = max([int(self.cfg.prompt_length)] + [len(ids) for ids in lists])
+        ids = torch.full((len(lists), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(lists), width), dtype=torch.long)
+        for i, row in enumerate(lists):
+            if row:
+                ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+                mask[i, width - len(row):] = 1
+        return ids, mask
 
     def _next_id(self, prompt_idx: int) -> str:
         k = self._ids[prompt_idx]
@@ -435,8 +457,8 @@ class AgentLoop:
         R = self.cfg.response_length
         trajs = [t for g in groups for t in g]
         rows = torch.tensor([t.prompt_idx for t in trajs], dtype=torch.long)
-        prompt_tokens = prompts.batch["input_ids"][rows]
-        prompt_mask = prompts.batch["attention_mask"][rows]
+        padded_ids, padded_mask = self._padded_prompts(prompts)
+        prompt_tokens, prompt_mask = padded_ids[rows], padded_mask[rows]
         responses = torch.full((len(trajs), R), self.pad_id, dtype=torch.long)
         response_mask = torch.zeros((len(trajs), R), dtype=torch.long)
         resp_attn = torch.zeros((len(trajs), R), dtype=prompt_mask.dtype)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_arpo.workers.rollout.tool_text import (
-    _neutralise_special_text,
-    _valid_text,
+    neutralise_special_text,
+    valid_text,
     extract_tool_call,
     fit_tool_result,
 )
@@ -163,8 +163,8 @@ class HermesFormat:
         Each text is cut to what the budget can hold (8 characters a token) before rendering, and a
         text that spells a special token (`<|im_end|>`) is broken up so it cannot become one."""
         cap = max(1024, 8 * max(0, room))
-        shown = [_valid_text(t)[:cap] for t in texts]
-        messages = [{"role": "tool", "name": c.name, "content": _neutralise_special_text(self.tokenizer, s)}
+        shown = [valid_text(t)[:cap] for t in texts]
+        messages = [{"role": "tool", "name": c.name, "content": neutralise_special_text(self.tokenizer, s)}
                     for c, s in zip(calls, shown)]
         text = self._delta(messages, self.tokenizer.decode(list(out.token_ids)[-1:], skip_special_tokens=False))
         return self.tokenizer.encode(text, add_special_tokens=False), shown

@@ -34,7 +34,7 @@ def extract_tool_call(round_text: str, stop_str: str | None) -> tuple[str, str]:
     return tag, round_text[start + len(tag) + 2:end].strip()
 
 
-def _neutralise_special_text(tokenizer, text: str) -> str:
+def neutralise_special_text(tokenizer, text: str) -> str:
     """Break up literal special-token strings (e.g. '<|im_end|>' → '<| im_end|>')."""
     for tok in sorted(set(getattr(tokenizer, "all_special_tokens", [])), key=len, reverse=True):
         if tok and len(tok) > 1 and tok in text:
@@ -42,7 +42,7 @@ def _neutralise_special_text(tokenizer, text: str) -> str:
     return text
 
 
-def _valid_text(text) -> str:
+def valid_text(text) -> str:
     """`text` as a str the tokenizer accepts: lone surrogates (bytes a tool decoded with
     `surrogateescape`) become U+FFFD. [reliability: tests/reliability/README.md] the Rust tokenizer rejected them with a
     TypeError that escaped into the rollout, and json dumps of such text fail too."""
@@ -52,7 +52,7 @@ def _valid_text(text) -> str:
 
 def encode_tool_result(tokenizer, text: str) -> list[int]:
     """Token ids of ` <result>\\n{text}\\n</result>` that contain no special-token id."""
-    text = _valid_text(text)
+    text = valid_text(text)
     full = RESULT_TEMPLATE.format(text=text)
     special = set(getattr(tokenizer, "all_special_ids", []))
     try:
@@ -60,7 +60,7 @@ def encode_tool_result(tokenizer, text: str) -> list[int]:
     except TypeError:  # tokenizers without split_special_tokens
         ids = tokenizer.encode(full, add_special_tokens=False)
     if special.intersection(ids):
-        ids = tokenizer.encode(RESULT_TEMPLATE.format(text=_neutralise_special_text(tokenizer, text)),
+        ids = tokenizer.encode(RESULT_TEMPLATE.format(text=neutralise_special_text(tokenizer, text)),
                                add_special_tokens=False)
     return [i for i in ids if i not in special]  # last resort: never emit a special id
 
@@ -75,7 +75,7 @@ def fit_tool_result(tokenizer, text: str, max_tokens: int) -> tuple[list[int], s
     `shown` is that prefix (sanitised), i.e. what the trajectory really contains; when the whole
     text fits it is the text itself and `ids` are exactly `encode_tool_result(tokenizer, text)`.
     """
-    text = _valid_text(text)
+    text = valid_text(text)
     chars = max(1024, 8 * max(0, int(max_tokens)))
     while True:
         shown = text[:chars]

@@ -39,7 +39,8 @@ randomness per round pass a different seed per round. Requests without a seed sh
 generator (seeded at construction), so their draws depend on the batch order.
 
 `generate` runs groups of `max_batch_size` one after another; `add_requests`/`step` admit and
-retire requests between decode steps instead (continuous batching: hf_continuous.py). What this
+retire requests between decode steps instead (continuous batching: the scheduler object of
+hf_continuous.py, over the same decode-step operations). What this
 does not do: paged attention, speculative decoding. Models whose cache is not a plain full-attention
 `DynamicCache` (sliding-window, linear-attention or hybrid layers) re-encode the full context
 every round (logged once); everything else still works for them.
@@ -47,6 +48,7 @@ every round (logged once); everything else still works for them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Iterable
@@ -61,7 +63,7 @@ from verl_arpo.workers.rollout.engines.base import (
     topk_with_sampled,
     common_prefix_len,
 )
-from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousBatching
+from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousScheduler
 from verl_arpo.workers.rollout.engines.hf_requests import KV, Batch, Row, StopChecker, row_output
 from verl_arpo.workers.rollout.engines.hf_weights import EngineWeights
 
@@ -74,7 +76,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
+class HFEngine(EngineWeights, InferenceEngine):
     """Batched generation on a transformers causal LM with a per-trajectory persistent KV cache.
 
     Args:
@@ -142,7 +144,9 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
                            "re-encodes the full context)", why)
             self.reuse_kv = False
-        self._init_continuous()   # add_requests / step: hf_continuous.py
+        # add_requests / step between decode steps (hf_continuous.py); without kept KV, base.py's
+        # default (one generate per step) applies
+        self.scheduler = ContinuousScheduler(self) if self.reuse_kv else None
         self.reset_stats()
 
     # ------------------------------------------------------------------ public API
@@ -168,19 +172,40 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
     @torch.no_grad()
     def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
         self._check_weights()
+        with self._eval_mode():
+            return self._generate(requests)
+
+    def add_requests(self, requests) -> None:
+        self._check_weights()
+        if self.scheduler is None:   # caches that cannot be stitched per row: one generate per step
+            return super().add_requests(requests)
+        self.scheduler.add(requests)
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() if self.scheduler is None else self.scheduler.has_unfinished()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[GenRequest, GenOutput]]:
+        if self.scheduler is None:
+            return super().step()
+        with self._eval_mode():
+            return self.scheduler.step()
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
         was_training = self.model.training   # a module shared with the trainer may be in train()
         self.model.eval()
         try:
-            return self._generate(requests)
+            yield
         finally:
             self.model.train(was_training)
 
     def _generate(self, requests: list[GenRequest]) -> list[GenOutput]:
         # Look everything up before anything is stored, so a parent continuing in this same call
         # cannot change what its branch starts from.
-        rows = [self._make_row(r) for r in requests]
+        rows = [self.new_row(r) for r in requests]
         live = [r for r in rows if r.req.max_new_tokens > 0]
-        self._share_prefix([r for r in live if r.past is None])
+        self.encode_shared_prefix([r for r in live if r.past is None])
         for r in rows:
             if r.req.max_new_tokens <= 0:
                 r.finish = "length"
@@ -190,9 +215,12 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             self._run_group(live[i:i + self.max_batch_size])
         return [row_output(r) for r in rows]
 
-    # ------------------------------------------------------------------ one group
+    # ------------------------------------------------------------------ decode-step operations
+    # What a decode loop does, as operations: `_run_group` below and the continuous-batching
+    # scheduler (hf_continuous.py) are two loops over the same ones.
 
-    def _make_row(self, req: GenRequest) -> Row:
+    def new_row(self, req: GenRequest) -> Row:
+        """A row for `req`, starting from the longest cached KV its own id or its parent's offers."""
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id!r} has empty prompt_ids")
         past, n = None, 0
@@ -213,7 +241,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         self.stats["reused_tokens"] += n
         return Row(req, past, list(req.prompt_ids[n:]), rng, StopChecker(self.tokenizer, req.stop))
 
-    def _share_prefix(self, fresh: list[Row]) -> None:
+    def encode_shared_prefix(self, fresh: list[Row]) -> None:
         """Encode the prefix that all fresh rows share (the system prompt and chat template,
         ~118 of ~140 tokens in the quickstart's prompts) once, and give it to each of them as
         its cached past: their prefill then covers only their own suffixes. Rows with a cached
@@ -232,7 +260,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
         for r in fresh:
             r.past, r.suffix = shared, r.suffix[n:]
 
-    def _prefill_rows(self, rows: list[Row]) -> tuple[Batch, torch.Tensor]:
+    def prefill(self, rows: list[Row]) -> tuple[Batch, torch.Tensor]:
         """Prefill `rows` into one decoding batch; returns it with each row's next-token logits."""
         chunks = self._prefill_chunks(rows)
         if len(chunks) == 1:
@@ -252,25 +280,34 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
             r.kv = None
         return batch, logits
 
+    def store_finished(self, batch: Batch, i: int) -> None:
+        """Keep finished row i's KV under its request id (no-op without kept KV): its next round,
+        or a branch of it, prefills only its new tokens. Its last sampled token was never fed, so
+        it is not in the cache."""
+        if self.reuse_kv:
+            r = batch.rows[i]
+            self._keep(r.req.request_id, self._extract(batch, i, r.req.prompt_ids + r.tokens[:-1]))
+
+    def advance(self, batch: Batch, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one sampled token per row; the rows' next-token logits."""
+        logits = self._forward(batch, tokens[:, None], torch.ones_like(tokens)[:, None], batch.next_pos[:, None])
+        batch.next_pos = batch.next_pos + 1
+        return logits
+
     def _run_group(self, rows: list[Row]) -> None:
-        batch, logits = self._prefill_rows(rows)
+        batch, logits = self.prefill(rows)
         while True:
-            tokens = self._sample_and_record(logits, batch.rows)
+            tokens = self.sample(logits, batch.rows)
             done = [i for i, r in enumerate(batch.rows) if r.finish is not None]
             if done:
                 for i in done:
-                    r = batch.rows[i]
-                    if self.reuse_kv:  # the last sampled token was never fed: not in the cache
-                        self._keep(r.req.request_id,
-                                   self._extract(batch, i, r.req.prompt_ids + r.tokens[:-1]))
+                    self.store_finished(batch, i)
                 keep = [i for i in range(len(batch.rows)) if batch.rows[i].finish is None]
                 if not keep:
                     return
-                batch = self._select(batch, keep)
+                batch = self.select(batch, keep)
                 tokens = tokens[keep]
-            logits = self._forward(batch, tokens[:, None], torch.ones_like(tokens)[:, None],
-                                   batch.next_pos[:, None])
-            batch.next_pos = batch.next_pos + 1
+            logits = self.advance(batch, tokens)
 
     def _keep(self, rid: str, kv: KV) -> None:
         """Store a finished row's KV (most recent last); evict the oldest beyond the cap."""
@@ -366,7 +403,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
                                f"{len(tokens)} tokens")
         return KV(list(tokens), keys, values)
 
-    def _select(self, batch: Batch, keep: list[int]) -> Batch:
+    def select(self, batch: Batch, keep: list[int]) -> Batch:
         """Drop finished rows, then the columns that are padding in every remaining row."""
         idx = torch.tensor(keep, device=self.device)
         batch.cache.batch_select_indices(idx)
@@ -380,7 +417,7 @@ class HFEngine(ContinuousBatching, EngineWeights, InferenceEngine):
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample_and_record(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Pick one token per row, append it with its statistics, set finish reasons."""
         V = logits.shape[-1]
         temps = torch.tensor([1.0 if r.sp.is_greedy else float(r.sp.temperature) for r in rows],
