@@ -87,6 +87,16 @@ run sequence_parallel benchmarks/bench_sequence_parallel.py $(q --quick)
 # 9. tool-call formats: hermes against tags, MCP against a direct tool, a slow MCP server under async rollout
 run tool_formats benchmarks/bench_tool_formats.py $(q --quick)
 
+# 10. the rollout engine's levers (batch shape, statistics) and the actor update against a plain PyTorch loop (SmolLM2)
+run engine_levers benchmarks/bench_engine_levers.py $(q --quick)
+run actor_update benchmarks/bench_actor_update.py $(q --quick)
+
+# 11. asynchronous rollout against sync rounds (HF engine, a local SERP server with latency)
+run async_rollout benchmarks/bench_async_rollout.py --engine hf $(q --quick)
+
+# 12. the training step's attention kernels on the same packed micro-batches (this device; GPU rows: gpu_check.sh)
+run train_attention benchmarks/bench_train_attention.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

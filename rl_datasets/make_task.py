@@ -29,7 +29,7 @@ entity dropped), with new numbers for the arithmetic (S); the world's documents 
 search_cache/local_corpus_fresh.jsonl (the bundled corpus plus every fresh world), which the runs
 that use these splits search. The committed ones: valid_fresh (S = E = 101), the split every tuning
 choice is judged on, and test_fresh (S = E = 202), opened only by the confirmatory runs
-(benchmarks/compare_algorithms.py; docs/results.md).
+(experiments/compare_algorithms.py; docs/results.md).
 
 Every solver trajectory is checked: the tool outputs contain the answer, and `default_compute_score`
 gives it full marks (math: 1.0; deep_research: F1 = 1, plus the both-tools bonus for multi).

@@ -6,6 +6,7 @@ Slow (`--slow`): every benchmark script end to end with its --smoke / --quick fl
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -74,6 +75,29 @@ def test_tree_memory_counts_children():
     assert res["rc"] == 0
     assert res["peak_rss_mib"] > 200, res
     assert res["peak_pss_mib"] > 150, res
+
+
+def test_run_all_runs_every_benchmark():
+    """Every bench_*.py of benchmarks/ is run by run_all.sh (issue 50): a benchmark nobody reruns is a
+    number nobody can check."""
+    script = (BENCH / "run_all.sh").read_text()
+    run_lines = [line for line in script.splitlines() if line.startswith("run ")]
+    missing = sorted(p.name for p in BENCH.glob("bench_*.py")
+                     if p.name != "bench_common.py" and not any(f"benchmarks/{p.name}" in line for line in run_lines))
+    assert missing == []
+
+
+def test_results_are_named_after_their_benchmark():
+    """benchmarks/results/ naming (README there): `<benchmark>[_<variant>].json`, the benchmark being a
+    bench_*.py without its prefix (or summary / profile_step); GPU runs in gpu_check/ as
+    `<device>_<date>[<letter>]_<what>.<ext>`. Experiments keep their stores in experiments/results/."""
+    names = {p.stem[len("bench_"):] for p in BENCH.glob("bench_*.py") if p.stem != "bench_common"}
+    names |= {"summary", "profile_step"}
+    top = [p for p in (BENCH / "results").iterdir() if p.is_file()]
+    assert top and [p.name for p in top if not any(p.stem == n or p.stem.startswith(n + "_") for n in names)] == []
+    gpu = [p.name for p in (BENCH / "results" / "gpu_check").iterdir()]
+    assert [n for n in gpu if not re.fullmatch(r"[a-z0-9]+_\d{4}-\d{2}-\d{2}[a-z]?(_[\w.-]+)?\.(json|log|txt)", n)] == []
+    assert sorted(p.name for p in (BENCH / "results").iterdir() if p.is_dir()) == ["gpu_check"]
 
 
 def test_run_all_script_parses():

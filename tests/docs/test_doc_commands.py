@@ -45,7 +45,7 @@ EXCLUDED = {"multinode.md"}  # tested by tests/multinode
 DOC_FILES = sorted(p for p in DOCS.glob("*.md") if p.name not in EXCLUDED)
 EXPECTED_DOCS = {"algorithms.md", "configuration.md", "migrating.md", "tools.md"}
 ENV = {**os.environ, "HYDRA_FULL_ERROR": "0", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
-SOURCE_DIRS = ("configs/", "scripts/", "merge_ckpt/", "verl_arpo/", "benchmarks/")
+SOURCE_DIRS = ("configs/", "scripts/", "merge_ckpt/", "verl_arpo/", "benchmarks/", "experiments/")
 """A command word starting with one of these names a file of this repository: it must exist."""
 
 
@@ -378,7 +378,7 @@ def check_convert(cmd: Command, args: list[str], tmp: Path) -> None:
 
 def check_compare_algorithms(cmd: Command, args: list[str], tmp: Path) -> None:
     """Hours of training: the arguments go through its parser, and its Hydra overrides must compose."""
-    mod = load_script_module("benchmarks/compare_algorithms.py")
+    mod = load_script_module("experiments/compare_algorithms.py")
     try:
         parsed = mod.build_parser().parse_args(args)
     except SystemExit:
@@ -396,9 +396,9 @@ def check_bench_sequence_parallel(cmd: Command, args: list[str], tmp: Path) -> N
 
 
 def check_decision_margins(cmd: Command, args: list[str], tmp: Path) -> None:
-    """Needs trained models' reports (its run on a tiny model is tests/benchmarks/test_decision_margins.py):
+    """Needs trained models' reports (its run on a tiny model is tests/experiments/test_decision_margins.py):
     the arguments go through its parser and its checks."""
-    mod = load_script_module("benchmarks/decision_margins.py")
+    mod = load_script_module("experiments/decision_margins.py")
     try:
         mod.parse_args(args)
     except SystemExit:
@@ -406,8 +406,8 @@ def check_decision_margins(cmd: Command, args: list[str], tmp: Path) -> None:
 
 
 PY_SCRIPT_CHECKS = {
-    "benchmarks/compare_algorithms.py": check_compare_algorithms,
-    "benchmarks/decision_margins.py": check_decision_margins,
+    "experiments/compare_algorithms.py": check_compare_algorithms,
+    "experiments/decision_margins.py": check_decision_margins,
     "benchmarks/bench_sequence_parallel.py": check_bench_sequence_parallel,
     "scripts/gen_config_docs.py": check_gen_config_docs,
     "merge_ckpt/convert_verl_to_hf.py": check_convert,

@@ -2,7 +2,8 @@
 
 An RL run that starts from an SFT model moves a decision token a little for a whole task type; under
 greedy evaluation every question whose SFT margin at that token was small then flips at once
-(docs/results.md, "Why a run flips a whole class of questions"). This probe measures those margins
+(docs/reports/2026-11-26-quickstart-rl-gain-across-seeds.md, "Why a run flips a whole class of
+questions"). This probe measures those margins
 on the test split, from next-token probabilities of the model (one forward pass per question and
 decision, fp32, no sampling):
 
@@ -21,10 +22,10 @@ it counts per task type and per band of the first decision's probability how man
 trained model opened with another tool than this model's own greedy answer did, and how many it
 turned right → wrong and wrong → right.
 
-    python benchmarks/decision_margins.py --model outputs/compare/sft_model \\
+    python experiments/decision_margins.py --model outputs/compare/sft_model \\
         --own_eval outputs/compare/eval_sft.json --trained arpo_pair0=outputs/compare/runs/arpo_pair0/eval.json
 
-Prints the tables and writes JSON (`--out`, default benchmarks/results/decision_margins.json).
+Prints the tables and writes JSON (`--out`, default experiments/results/decision_margins.json).
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def parse_args(argv=None):
                    help='JSON of extra apply_chat_template arguments, as given to main_eval')
     p.add_argument("--custom_chat_template", default=None,
                    help="a Jinja chat template, or a file with one, as given to main_eval")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decision_margins.json"))
+    p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "decision_margins.json"))
     a = p.parse_args(argv)
     a.first_choice = a.first_choice or [" search", " look"]
     if a.trained and not a.own_eval:

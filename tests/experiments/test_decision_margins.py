@@ -1,4 +1,4 @@
-"""benchmarks/decision_margins.py: its probabilities against a token-by-token reference loop on a
+"""experiments/decision_margins.py: its probabilities against a token-by-token reference loop on a
 tiny model, its flip counts against counts made by hand from reports written here, and its errors."""
 import json
 import subprocess
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import decision_margins as dm  # noqa: E402
@@ -83,7 +84,7 @@ def test_probe_matches_a_reference_loop_and_counts_flips_by_hand(tiny, tmp_path)
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(_report(rows, samples)))
     out = tmp_path / "margins.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decision_margins.py"), "--model", tiny,
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "decision_margins.py"), "--model", tiny,
                     "--limit", str(N), "--own_eval", str(paths["own"]), "--trained", f"A={paths['A']}",
                     "--trained", f"B={paths['B']}", "--out", str(out)], check=True, cwd=ROOT, timeout=600)
     got = json.loads(out.read_text())
@@ -127,7 +128,7 @@ def test_probe_matches_a_reference_loop_and_counts_flips_by_hand(tiny, tmp_path)
 
 
 def test_bad_arguments_are_refused_naming_the_fix(tiny, tmp_path):
-    script = [sys.executable, str(ROOT / "benchmarks" / "decision_margins.py"), "--model", tiny, "--limit", "2"]
+    script = [sys.executable, str(ROOT / "experiments" / "decision_margins.py"), "--model", tiny, "--limit", "2"]
     r = subprocess.run(script + ["--trained", "A=x.json"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and "--trained needs --own_eval" in r.stderr
     r = subprocess.run(script + ["--own_eval", "o.json", "--trained", "x.json"], capture_output=True, text=True, cwd=ROOT)
@@ -154,7 +155,7 @@ def test_the_prompt_is_rendered_as_main_eval_renders_it(tiny, tmp_path):
     template = ("{% for m in messages %}[{{ tag }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant:{% endif %}")
     out = tmp_path / "m.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decision_margins.py"), "--model", tiny, "--limit", "2",
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "decision_margins.py"), "--model", tiny, "--limit", "2",
                     "--custom_chat_template", template, "--chat_template_kwargs", '{"tag": "Qx"}', "--out", str(out)],
                    check=True, cwd=ROOT, timeout=600)
     got = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""benchmarks/compare_algorithms.py: the paired bootstrap against a plain reference loop, one run's
+"""experiments/compare_algorithms.py: the paired bootstrap against a plain reference loop, one run's
 training record from real metrics and rollout-dump files, the report from finished runs only, and
 (slow) the whole experiment on the tiny model, killed and resumed."""
 import json
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "experiments"))
 
 import compare_algorithms as ca  # noqa: E402
+from verl_arpo.utils import stats  # noqa: E402
 
 
 # --------------------------------------------------------------------------- the bootstrap
@@ -37,7 +38,7 @@ def test_bootstrap_matches_a_plain_loop_over_questions_and_pairs():
     # 3 seed pairs x 120 questions, the pairs differ in their mean (0.05, 0.10, 0.15): both sources of spread
     diff = np.stack([rng.choice([-1.0, 0.0, 1.0], size=120, p=[0.1, 0.9 - 0.1 - m, 0.1 + m])
                      for m in (0.05, 0.10, 0.15)])
-    mean, lo, hi = ca.paired_bootstrap(diff, n_boot=3000)
+    mean, lo, hi = stats.paired_bootstrap(diff, n_boot=3000)
     ref_lo, ref_hi = _reference_bootstrap(diff.tolist(), 3000, seed=7)
     assert mean == pytest.approx(diff.mean())
     assert lo < mean < hi
@@ -49,16 +50,16 @@ def test_one_pair_is_the_paired_bootstrap_over_questions():
     """K = 1: the interval is the usual one for a paired mean, ±1.96·sd/√n (n = 600 here)."""
     rng = np.random.default_rng(2)
     d = rng.choice([-1.0, 0.0, 1.0], size=600, p=[0.08, 0.77, 0.15])
-    mean, lo, hi = ca.paired_bootstrap(d[None, :])
+    mean, lo, hi = stats.paired_bootstrap(d[None, :])
     half = 1.96 * d.std(ddof=1) / math.sqrt(len(d))
     assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
     assert (lo + hi) / 2 == pytest.approx(mean, abs=0.01)
 
 
 def test_a_constant_difference_has_no_spread_and_the_seed_repeats():
-    assert ca.paired_bootstrap(np.full((2, 50), 0.25)) == (0.25, 0.25, 0.25)
+    assert stats.paired_bootstrap(np.full((2, 50), 0.25)) == (0.25, 0.25, 0.25)
     d = np.random.default_rng(3).integers(-1, 2, size=(2, 80)).astype(float)
-    assert ca.paired_bootstrap(d) == ca.paired_bootstrap(d)
+    assert stats.paired_bootstrap(d) == stats.paired_bootstrap(d)
 
 
 # --------------------------------------------------------------------------- one run's record
@@ -209,7 +210,7 @@ def test_bad_arguments_are_refused(capsys):
 def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     out, results = tmp_path / "cmp", tmp_path / "results"
     env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache"), "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_algorithms.py"), "--protocol", "legacy", "--tiny",
+    cmd = [sys.executable, str(ROOT / "experiments" / "compare_algorithms.py"), "--protocol", "legacy", "--tiny",
            "--smoke", "--pairs", "1", "--algos", "grpo,arpo", "--out", str(out), "--results", str(results),
            "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
@@ -252,11 +253,11 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
 def test_seed_t_interval_by_hand():
     """Per-pair means 0.02, 0.01, 0.04, 0.03: mean 0.025, s = 0.0129, t_{0.975,3} = 3.182."""
     diff = np.array([[0.02] * 10, [0.01] * 10, [0.04] * 10, [0.03] * 10])
-    m, lo, hi = ca.seed_t_interval(diff)
+    m, lo, hi = stats.seed_t_interval(diff)
     s = math.sqrt(sum((x - 0.025) ** 2 for x in (0.02, 0.01, 0.04, 0.03)) / 3)
     assert m == pytest.approx(0.025) and hi - m == pytest.approx(3.182 * s / 2) and m - lo == pytest.approx(hi - m)
-    assert math.isnan(ca.seed_t_interval(diff[:1])[1])     # one pair: no interval
-    from compare_stats import t975
+    assert math.isnan(stats.seed_t_interval(diff[:1])[1])     # one pair: no interval
+    from verl_arpo.utils.stats import t975
     assert t975(1) == 12.706 and t975(30) == 2.042 and 1.96 < t975(200) < 1.98
 
 
@@ -265,7 +266,7 @@ def test_cluster_bootstrap_matches_a_plain_loop_and_is_wider_for_clustered_data(
     templates = [f"t{i % 5}" for i in range(100)]
     effect = {f"t{j}": e for j, e in enumerate((-0.3, -0.1, 0.0, 0.2, 0.4))}   # the template decides the difference
     diff = np.stack([[effect[t] + rng.normal(0, 0.05) for t in templates] for _ in range(3)])
-    mean, lo, hi = ca.cluster_bootstrap(diff, templates, n_boot=3000)
+    mean, lo, hi = stats.cluster_bootstrap(diff, templates, n_boot=3000)
     # the plain loop: draw pairs and templates, average every question of the drawn templates
     r = random.Random(9)
     names = sorted(set(templates))
@@ -278,7 +279,7 @@ def test_cluster_bootstrap_matches_a_plain_loop_and_is_wider_for_clustered_data(
     means.sort()
     assert mean == pytest.approx(diff.mean())
     assert lo == pytest.approx(means[75], abs=0.03) and hi == pytest.approx(means[2924], abs=0.03)
-    _, blo, bhi = ca.paired_bootstrap(diff, n_boot=3000)
+    _, blo, bhi = stats.paired_bootstrap(diff, n_boot=3000)
     assert hi - lo > 3 * (bhi - blo)   # questions of one template are not independent
 
 
