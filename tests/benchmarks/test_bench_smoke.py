@@ -63,6 +63,24 @@ def test_summary_format_from_stored_results(tmp_path):
         assert ENTRY_KEYS <= set(head), name
         _check_entries(s["details"][name])
     assert (tmp_path / "summary.md").read_text().count("|") > 10
+    # each row says when its file was measured: its own record, else (here, uncommitted copies) the file's day
+    assert s["measured"].keys() == s["benchmarks"].keys()
+    assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2}", d) for d in s["measured"].values()), s["measured"]
+    with_time = {p.stem: json.loads(p.read_text()).get("machine", {}).get("time", "")[:10] for p in stored}
+    assert all(s["measured"][n] == d for n, d in with_time.items() if d and n in s["measured"])
+
+
+def test_a_stored_result_without_a_date_is_dated_by_its_commit():
+    import summarize
+
+    undated = [p for p in (BENCH / "results").glob("*.json")
+               if p.name != "summary.json" and not (json.loads(p.read_text()).get("machine") or {}).get("time")]
+    if not undated or not (ROOT / ".git").exists():
+        pytest.skip("no undated stored result in a git checkout")
+    p = undated[0]
+    day = subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(p.relative_to(ROOT))], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+    assert day and summarize.measured_on(p.stem, p.parent) == day
 
 
 def test_tree_memory_counts_children():
