@@ -189,7 +189,7 @@ class AgentLoop:
         self._key = [self.seed, int(meta.get("global_steps", 0)), int(validate)]
         rng = np.random.default_rng(self._key)
         n, rule, sampling = self._mode(validate, meta)
-        prompt_ids = self._prompt_lists = self._prompt_ids(prompts)
+        prompt_ids = self._prompt_ids(prompts)
         self._ids = defaultdict(int)
         self._stats: dict[str, float] = defaultdict(float)
         self._round_entropy: dict[int, list[float]] = defaultdict(list)
@@ -270,20 +270,20 @@ class AgentLoop:
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         return [row[m].tolist() for row, m in zip(ids, mask)]
 
-    def _padded_prompts(self, prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt half of the training layout ([B, P] ids and mask, left-padded): the caller's
-        tensors when it sent them, else the unpadded ids left-padded to rollout.prompt_length (the
-        dataset's width, data.max_prompt_length) or to the longest prompt if one is longer."""
+    def _padded_prompts(self, prompts: DataProto, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt half of the training layout, a row per trajectory ([B, P] ids and mask,
+        left-padded): the caller's tensors when it sent them, else each trajectory's prompt ids
+        left-padded to rollout.prompt_length (the dataset's width, data.max_prompt_length) or to the
+        longest prompt if one is longer."""
         if prompts.batch is not None and "input_ids" in prompts.batch.keys():
-            return prompts.batch["input_ids"], prompts.batch["attention_mask"]
-        lists = self._prompt_lists
-        width = max([int(self.cfg.prompt_length)] + [len(ids) for ids in lists])
-        ids = torch.full((len(lists), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(lists), width), dtype=torch.long)
-        for i, row in enumerate(lists):
-            if row:
-                ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-                mask[i, width - len(row):] = 1
+            rows = torch.tensor([t.prompt_idx for t in trajs], dtype=torch.long)
+            return prompts.batch["input_ids"][rows], prompts.batch["attention_mask"][rows]
+        width = max([int(self.cfg.prompt_length)] + [len(t.prompt_ids) for t in trajs])
+        ids = torch.full((len(trajs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(trajs), width), dtype=torch.long)
+        for i, t in enumerate(trajs):
+            ids[i, width - len(t.prompt_ids):] = torch.tensor(t.prompt_ids, dtype=torch.long)
+            mask[i, width - len(t.prompt_ids):] = 1
         return ids, mask
 
     def _next_id(self, prompt_idx: int) -> str:
@@ -456,9 +456,7 @@ class AgentLoop:
         """Step 6: n trajectories per prompt, grouped by prompt (matches `repeat(n, interleave=True)`)."""
         R = self.cfg.response_length
         trajs = [t for g in groups for t in g]
-        rows = torch.tensor([t.prompt_idx for t in trajs], dtype=torch.long)
-        padded_ids, padded_mask = self._padded_prompts(prompts)
-        prompt_tokens, prompt_mask = padded_ids[rows], padded_mask[rows]
+        prompt_tokens, prompt_mask = self._padded_prompts(prompts, trajs)
         responses = torch.full((len(trajs), R), self.pad_id, dtype=torch.long)
         response_mask = torch.zeros((len(trajs), R), dtype=torch.long)
         resp_attn = torch.zeros((len(trajs), R), dtype=prompt_mask.dtype)
