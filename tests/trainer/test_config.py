@@ -171,12 +171,12 @@ def test_prefix_sharing_needs_packing_and_a_tree_mask_backend(good):
     key = "actor_rollout_ref.model.use_prefix_sharing"
     on = ["actor_rollout_ref.model.use_remove_padding=true", f"{key}=true"]
     validate_config(OmegaConf.merge(good, OmegaConf.from_dotlist(on)))
-    for attn in ("sdpa", "eager"):
+    for attn in ("sdpa", "eager", "flex_attention"):
         validate_config(OmegaConf.merge(good, OmegaConf.from_dotlist(
             [*on, f"actor_rollout_ref.model.attn_implementation={attn}"])))
     cfg = OmegaConf.merge(good, OmegaConf.from_dotlist(
         [*on, "actor_rollout_ref.model.attn_implementation=flash_attention_2"]))
-    assert "sdpa or eager" in problems_of(cfg)[key]
+    assert "sdpa, eager or flex_attention" in problems_of(cfg)[key]
 
 
 def test_missing_model_path_and_gae_without_critic(good):

@@ -14,7 +14,7 @@ from test_dp_actor import (P, R, actor_grad, assert_grads_close, assert_matches_
                            reference_grad)
 
 from verl_arpo.protocol import DataProto
-from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree, tree_size, valid_rows
+from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree, tree_size, valid_rows, visibility_ends
 from verl_arpo.utils.seqlen_balancing import balance_batch_indices, rearrange_micro_batches
 from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
@@ -58,6 +58,25 @@ def test_tree_by_hand():
         expected[node, ancestors] = True
     assert torch.equal(mask, expected)
     assert tree_size(valid_rows(ids, attn)) == 8
+    # subtrees as index ranges: node 2's subtree is nodes 2..5, node 3 is a leaf, node 6 ends the row
+    assert visibility_ends(tree.depth).tolist() == [6, 6, 6, 4, 6, 6, 8, 8]
+
+
+def relation_of_ends(ends):
+    """The [N, N] mask `k ≤ q < end(k)`, written out pair by pair."""
+    n = ends.numel()
+    return torch.tensor([[k <= q < ends[k] for k in range(n)] for q in range(n)])
+
+
+def test_visibility_ends_of_packed_rows():
+    # plain packing: positions restart at 0 per row; every row is causal on its own
+    depth = torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3])
+    ends = visibility_ends(depth)
+    assert ends.tolist() == [3, 3, 3, 5, 5, 6, 10, 10, 10, 10]
+    expected = torch.zeros(10, 10, dtype=torch.bool)
+    for a, b in ((0, 3), (3, 5), (5, 6), (6, 10)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert torch.equal(relation_of_ends(ends), expected)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -82,6 +101,7 @@ def test_tree_is_the_set_of_distinct_prefixes(seed):
     for i, pi in paths.items():
         for j, pj in paths.items():
             assert bool(mask[i, j]) == (pi[:len(pj)] == pj), (i, j)
+    assert torch.equal(relation_of_ends(visibility_ends(tree.depth)), mask)  # the O(N) form of the same mask
 
 
 def shared_batch(vocab, seed=0):
@@ -106,14 +126,18 @@ def shared_batch(vocab, seed=0):
                      responses=ids[:, P:], response_mask=resp_mask, advantages=adv, old_log_probs=old))
 
 
-@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager", "flex_attention"])
 def test_shared_forward_equals_per_row_forwards(tiny_model_dir, attn_impl):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn_impl, dtype=torch.float32)
     data = shared_batch(model.config.vocab_size, seed=1)
-    rows = per_row_outputs(model, data)
+    # flex_attention's tree is a BlockMask (k ≤ q < end(k)); its reference rows run through sdpa, so
+    # the check does not lean on the kernel it checks (FlexAttention has no CPU backward: no grad here)
+    reference = model if attn_impl != "flex_attention" else load_model(tiny_model_dir)
+    with torch.no_grad():
+        rows = per_row_outputs(reference, data)
     actor = DataParallelPPOActor(None, model, use_remove_padding=True, use_prefix_sharing=True)
     seen = []
     hook = model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[1]),
@@ -263,3 +287,17 @@ def test_ranks_get_the_same_micro_batch_count(tmp_path):
                                          random.Random(t).randint(15, 60), share_prefix=True)[1])
              for t in range(60) for r in range(2)]
     assert any(a != b for a, b in zip(local[::2], local[1::2]))
+
+
+def test_flex_attention_trainer_on_cpu_is_refused_by_name(tiny_model_dir):
+    """FlexAttention runs forward on the CPU but has no backward there: a CPU trainer with it fails when
+    it is built, naming the key, not at its first training forward; a scorer (no optimizer) is fine."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="flex_attention", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.attn_implementation=flex_attention"):
+        DataParallelPPOActor(None, model, actor_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    DataParallelPPOActor(None, model)  # the reference policy / log-prob pass
+    # what the refusal spares the user: a forward that needs a backward raises on the CPU
+    with pytest.raises(NotImplementedError, match="backward"):
+        model(input_ids=torch.tensor([[3, 4, 5]]))

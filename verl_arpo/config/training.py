@@ -81,9 +81,9 @@ class ModelConfig:
             if not self.use_remove_padding:
                 out.append((f"{where}.use_prefix_sharing", "packs the rows' prefix tree, so it needs packed sequences: "
                             f"set {where}.use_remove_padding=true (or use_prefix_sharing=false)"))
-            if self.attn_implementation not in (None, "sdpa", "eager"):
+            if self.attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
                 out.append((f"{where}.use_prefix_sharing", "needs attention that takes a tree mask: set "
-                            f"{where}.attn_implementation to sdpa or eager (or use_prefix_sharing=false)"))
+                            f"{where}.attn_implementation to sdpa, eager or flex_attention (or use_prefix_sharing=false)"))
         return out
 
 

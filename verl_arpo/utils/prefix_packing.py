@@ -13,6 +13,15 @@ Construction: sort the rows lexicographically. The longest prefix a row shares w
 row is the one it shares with its predecessor (a property of sorted strings), so a row reuses
 its predecessor's first LCP nodes and appends the rest. Nodes are numbered in creation order,
 so parents come before children. Number of nodes = Σ len(row) − Σ LCP(consecutive sorted rows).
+
+The numbering is a depth-first preorder: the rows below a node are one run of the sorted rows,
+and every node they create is a descendant, so a node's subtree is the index range [i, end(i)),
+end(i) = the first later node at a depth ≤ depth(i). Hence the mask in O(N) numbers,
+
+    node q attends to node k  ⇔  k ≤ q < end(k)        (`visibility_ends`)
+
+which also describes plain packing (positions restarting at 0: end(k) = the next row's start).
+Block-sparse kernels (FlexAttention's BlockMask) take this form instead of the N × N mask.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PrefixTree", "build_prefix_tree", "ancestor_mask", "tree_size", "valid_rows"]
+__all__ = ["PrefixTree", "build_prefix_tree", "ancestor_mask", "visibility_ends", "tree_size", "valid_rows"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +101,17 @@ def ancestor_mask(tree: PrefixTree) -> torch.Tensor:
             out[p.unsqueeze(1), p.unsqueeze(0)] = torch.ones(p.numel(), p.numel(), dtype=torch.bool,
                                                              device=out.device).tril()
     return out
+
+
+def visibility_ends(depth: torch.Tensor) -> torch.Tensor:
+    """end [N] for nodes in depth-first preorder (a prefix tree, or packed rows whose positions
+    restart at 0): end(k) = the first index j > k with depth(j) ≤ depth(k), else N. Node q attends to
+    node k iff k ≤ q < end(k) (module docstring): the same relation as `ancestor_mask`."""
+    d = depth.tolist()
+    end = [len(d)] * len(d)
+    open_nodes: list[int] = []   # nodes whose subtree is still open, depths increasing
+    for j, dj in enumerate(d):
+        while open_nodes and d[open_nodes[-1]] >= dj:
+            end[open_nodes.pop()] = j
+        open_nodes.append(j)
+    return torch.tensor(end, dtype=torch.long, device=depth.device)

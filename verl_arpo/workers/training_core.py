@@ -19,9 +19,15 @@ kernels without that mask logic) fall back to padded batches with a one-time war
 whose position_ids do not run 0..L−1.
 
 use_prefix_sharing (with use_remove_padding): the packed row is the rows' prefix tree instead of
-their concatenation (verl_arpo.utils.prefix_packing), passed with an explicit [1, 1, N, N] tree
-mask; a prompt shared by a group's n rows, and ARPO branches' shared response prefix, are
-computed once. sdpa and eager only (prefix_sharing_supported).
+their concatenation (verl_arpo.utils.prefix_packing), passed with an explicit tree mask; a prompt
+shared by a group's n rows, and ARPO branches' shared response prefix, are computed once. sdpa
+and eager take the [1, 1, N, N] mask; flex_attention takes a BlockMask of the same relation
+(k ≤ q < end(k), prefix_packing.visibility_ends), whose empty 128 × 128 blocks it skips: neither
+the N² mask nor N² attention work (prefix_sharing_supported).
+
+On CUDA without flash-attn, attn_implementation=flex_attention is the block-sparse packed path
+for both packing (transformers builds its BlockMask from the restarting position_ids) and
+prefix sharing (docs/gpu.md, "Packed sequences without flash-attn").
 """
 
 from __future__ import annotations
@@ -34,14 +40,15 @@ import torch
 import torch.distributed as dist
 
 from verl_arpo.utils.device import without_cudnn_attention
-from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree
+from verl_arpo.utils.prefix_packing import ancestor_mask, build_prefix_tree, visibility_ends
 from verl_arpo.utils.ulysses import SequenceParallel, gather_slots
 from verl_arpo.workers.sequence_parallel import SequenceShard, attention_kernel, shard_packed
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["response_forward", "ResponseLogits", "unpack", "packing_supported", "prefix_sharing_supported", "warn_if_dense_packing",
-           "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS", "warn_once"]
+           "global_loss_counts", "TokenWeightedMeans", "PACKING_ATTN_IMPLEMENTATIONS",
+           "PREFIX_SHARING_ATTN_IMPLEMENTATIONS", "tree_block_mask", "check_trainable_attention", "warn_once"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,32 +81,61 @@ def packing_supported(module: torch.nn.Module) -> tuple[bool, str]:
 
 def warn_if_dense_packing(module: torch.nn.Module, device: torch.device) -> None:
     """Packing on CUDA without flash attention: transformers builds a dense N×N block mask for sdpa,
-    so attention costs N² over the packed tokens instead of B·S² — warn once, loudly (install
-    flash-attn, README "Install on a GPU machine", or set use_remove_padding=False)."""
+    so attention costs N² over the packed tokens instead of B·S² — warn once, loudly (flex_attention,
+    flash-attn (README "Install on a GPU machine"), or use_remove_padding=False)."""
     attn = attention_kernel(module)
-    if device.type == "cuda" and attn not in ("flash_attention_2", "flash_attention_3"):
+    if device.type == "cuda" and attn not in ("flash_attention_2", "flash_attention_3", "flex_attention"):
         warn_once("dense_packing", "!" * 78 + f"\nuse_remove_padding=True with attn_implementation={attn!r} on CUDA: packed "
                   "rows get a dense N x N attention mask (N = tokens of a micro-batch), which costs more than the "
-                  "padding it saves. Install flash-attn (pip install flash-attn --no-build-isolation) or set "
+                  "padding it saves. Set actor_rollout_ref.model.attn_implementation=flex_attention (block-sparse, "
+                  "in torch), install flash-attn (pip install flash-attn --no-build-isolation), or set "
                   "actor_rollout_ref.model.use_remove_padding=False.\n" + "!" * 78)
 
 
+PREFIX_SHARING_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
+"""Attention backends that take the prefix tree's mask: sdpa and eager as an [1, 1, N, N] mask (also inside
+the Ulysses wrapper), flex_attention as a BlockMask; flash attention's varlen kernels know only
+block-diagonal masks."""
+
+
 def prefix_sharing_supported(module: torch.nn.Module) -> tuple[bool, str]:
-    """Whether the attention backend takes our [1, 1, N, N] tree mask (use_prefix_sharing): sdpa
-    and eager do (also inside the Ulysses wrapper); flash attention's varlen kernels only know
-    block-diagonal masks."""
+    """Whether the attention backend takes our tree mask (use_prefix_sharing)."""
     attn = attention_kernel(module)
-    if attn not in ("sdpa", "eager"):
-        return False, f"attn_implementation {attn!r} takes no custom tree mask (sdpa and eager do)"
+    if attn not in PREFIX_SHARING_ATTN_IMPLEMENTATIONS:
+        return False, f"attn_implementation {attn!r} takes no custom tree mask (sdpa, eager and flex_attention do)"
     return True, ""
 
 
-def _pack(micro, response_length: int, share_prefix: bool = False) -> dict | None:
+def check_trainable_attention(module: torch.nn.Module, device: torch.device, where: str) -> None:
+    """FlexAttention has a forward on the CPU but no backward (torch 2.13 raises at the first forward
+    with grad): refuse a CPU trainer with it when it is built, naming the key (`where`)."""
+    if device.type == "cpu" and attention_kernel(module) == "flex_attention":
+        raise ValueError(f"{where}.attn_implementation=flex_attention trains only on CUDA (FlexAttention has no CPU "
+                         f"backward): set {where}.attn_implementation=sdpa on the CPU")
+
+
+def tree_block_mask(depth: torch.Tensor):
+    """FlexAttention's BlockMask of a depth-first packed row (a prefix tree, or packed rows): node q
+    attends to node k iff k ≤ q < end(k) (prefix_packing.visibility_ends). Blocks no pair reaches are
+    skipped by the kernel; the mask is O(N) numbers plus the block table, not N × N."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ends = visibility_ends(depth)
+    n = int(depth.numel())
+
+    def visible(b, h, q, kv):
+        return (kv <= q) & (q < ends[kv])
+
+    return create_block_mask(visible, B=None, H=None, Q_LEN=n, KV_LEN=n, device=depth.device)
+
+
+def _pack(micro, response_length: int, share_prefix: bool = False, kernel: str | None = None) -> dict | None:
     """Flatten the valid tokens of a padded micro-batch into one packed row.
 
     Returns input_ids/position_ids [1, N], `attention_mask` (None: transformers infers the
-    block-diagonal mask from the restarting position_ids; with `share_prefix`, the [1, 1, N, N]
-    tree mask of verl_arpo.utils.prefix_packing, whose nodes hold each shared prefix once),
+    block-diagonal mask from the restarting position_ids; with `share_prefix`, the tree mask of
+    verl_arpo.utils.prefix_packing, whose nodes hold each shared prefix once: a BlockMask when
+    `kernel` is flex_attention, else [1, 1, N, N] bool),
     `keep` [B, R] (response slot holds a real token) and `keep_idx` [K] (packed index of the token
     *before* each kept response token, whose logits score it); None when a row's position_ids are
     not 0..L−1 (boundaries would be ambiguous).
@@ -113,7 +149,8 @@ def _pack(micro, response_length: int, share_prefix: bool = False) -> dict | Non
         tree = build_prefix_tree(micro["input_ids"], mask)
         node_index = tree.node_index
         input_ids, position_ids = tree.tokens.unsqueeze(0), tree.depth.unsqueeze(0)
-        attention_mask = ancestor_mask(tree)[None, None]
+        attention_mask = (tree_block_mask(position_ids[0]) if kernel == "flex_attention"
+                          else ancestor_mask(tree)[None, None])
     else:
         node_index = (mask.flatten().long().cumsum(0) - 1).view(mask.shape)
         input_ids, position_ids, attention_mask = micro["input_ids"][mask].unsqueeze(0), pos[mask].unsqueeze(0), None
@@ -127,7 +164,7 @@ def _pack(micro, response_length: int, share_prefix: bool = False) -> dict | Non
 def _as_attention_bias(mask: torch.Tensor | None, module: torch.nn.Module) -> torch.Tensor | None:
     """eager attention adds its mask to the scores: a bool tree mask becomes 0 / −inf (sdpa takes bool)."""
     attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if mask is None or attn != "eager":
+    if mask is None or attn != "eager" or not isinstance(mask, torch.Tensor):
         return mask
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
         ~mask, torch.finfo(torch.float32).min)
@@ -181,7 +218,7 @@ def response_forward(module: torch.nn.Module, micro, response_length: int, use_r
 
 def _response_forward(module, micro, response_length, use_remove_padding, causal_lm, share_prefix, sp):
     r = response_length
-    packed = _pack(micro, r, share_prefix) if use_remove_padding else None
+    packed = _pack(micro, r, share_prefix, attention_kernel(module)) if use_remove_padding else None
     if use_remove_padding and packed is None:
         warn_once("pos", "use_remove_padding: position_ids are not 0..L-1 per row; using padded batches")
     if sp is not None and sp.enabled:

@@ -54,6 +54,7 @@ from verl_arpo.workers.optim_step import clip_grad_and_step
 from verl_arpo.workers.sequence_parallel import use_sequence_parallel
 from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
+    check_trainable_attention,
     global_loss_counts,
     packing_supported,
     prefix_sharing_supported,
@@ -108,6 +109,8 @@ class DataParallelPPOActor:
         self.actor_module = actor_module
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
+        if actor_optimizer is not None:
+            check_trainable_attention(actor_module, self.device, "actor_rollout_ref.model")
         self.use_remove_padding = bool(use_remove_padding)
         self.sp = use_sequence_parallel(actor_module, sp, self.use_remove_padding, "actor_rollout_ref.actor",
                                         "actor_rollout_ref.model")

@@ -30,6 +30,7 @@ from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.optim_step import clip_grad_and_step
 from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
+    check_trainable_attention,
     global_loss_counts,
     packing_supported,
     response_forward,
@@ -63,6 +64,8 @@ class DataParallelPPOCritic:
         self.critic_module = critic_module
         self.device = device if device is not None else module_device(critic_module)
         self.critic_optimizer = critic_optimizer
+        if critic_optimizer is not None:
+            check_trainable_attention(critic_module, self.device, "critic.model")
         self.use_remove_padding = bool(self.config.model.use_remove_padding)
         self.sp = use_sequence_parallel(critic_module, sp, self.use_remove_padding, "critic", "critic.model")
         self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
