@@ -77,6 +77,28 @@ def engine_env_defaults(on_cpu: bool) -> dict[str, str]:
     return defaults
 
 
+def placement_kwargs(visible_gpus: int, current_device: int, tensor_parallel_size: int,
+                     asked: dict) -> dict:
+    """vLLM engine arguments that put an in-process engine on this worker's GPU (docs/gpu.md, "vLLM in a
+    multi-rank world").
+
+    vLLM's in-process executor starts its worker at local rank 0 of the GPUs the process sees. Under
+    Ray each worker sees only its own GPU, and 0 is that GPU; a process that sees several (a launcher
+    without Ray's per-actor `CUDA_VISIBLE_DEVICES`, or Ray told not to set it) would put every rank's
+    engine on GPU 0. So with more than one visible GPU the engine is given `device_ids`, vLLM 0.32's
+    argument (indices into the visible set), starting at the GPU this worker selected: the TP group's
+    GPUs are current_device … current_device + tp − 1. Nothing changes with one visible GPU, or when
+    the caller set `device_ids` itself."""
+    if visible_gpus <= 1 or "device_ids" in asked:
+        return {}
+    last = current_device + tensor_parallel_size
+    if last > visible_gpus:
+        raise ValueError(f"the vLLM engine of the worker on GPU {current_device} needs tensor_model_parallel_size="
+                         f"{tensor_parallel_size} GPUs from there, but the process sees {visible_gpus}: give each "
+                         "worker its GPUs (CUDA_VISIBLE_DEVICES) or set actor_rollout_ref.rollout.tensor_model_parallel_size")
+    return {"device_ids": list(range(current_device, last))}
+
+
 def _checkpoint_names(model_path: str) -> set[str] | None:
     """HF parameter names of the checkpoint (safetensors headers only), for strict updates."""
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -185,6 +207,9 @@ class VLLMEngine(InferenceEngine):
                 logger.warning("VLLMEngine (CPU): max_num_batched_tokens=%s raised to max_model_len=%d (no "
                                "chunked prefill on CPU)", asked, longest)
             llm_kwargs["max_num_batched_tokens"] = max(int(asked or 8192), longest)
+        if not on_cpu:
+            llm_kwargs.update(placement_kwargs(torch.cuda.device_count(), torch.cuda.current_device(),
+                                               int(tensor_model_parallel_size), llm_kwargs))
         import sys
 
         try:
