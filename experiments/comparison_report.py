@@ -204,6 +204,12 @@ def markdown(report: dict) -> str:
         ran = [f"{r['algo']} pair {r['pair']}" for r in report.get("runs_by_config", {}).get(am["config_sha256"], [])]
         lines += [f"Amended {am['time'][:10]} (commit {am['commit']}, now `{am['config_sha256'][:12]}`; "
                   f"{', '.join(am['files_changed'])}): {am['why']}" + (f" Runs under it: {', '.join(ran)}." if ran else "")]
+    resumed = report.get("resumed_runs", [])
+    if resumed:
+        lines += ["", "Resumed after a stop, from their RL checkpoint (training continues as the uninterrupted run "
+                  "would; their RL seconds are the resumed part plus the earlier steps' logged times, without the "
+                  "first part's start-up): " + ", ".join(f"{r['algo']} pair {r['pair']} (from step {r['step']})"
+                                                         for r in resumed) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -238,6 +244,12 @@ def picture(report: dict, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def resumed_runs(runs: dict[tuple[str, int], dict]) -> list[dict]:
+    """The runs that continued from an RL checkpoint after a stop, and from which step."""
+    return [{"algo": algo, "pair": pair, "step": r["resumed_from_step"]}
+            for (algo, pair), r in sorted(runs.items()) if r.get("resumed_from_step")]
 
 
 def runs_by_config(runs: dict[tuple[str, int], dict]) -> dict[str, list[dict]]:

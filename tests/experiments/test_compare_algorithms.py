@@ -96,6 +96,33 @@ def test_training_record_counts_executed_calls_per_trajectory(tmp_path):
     assert rec["mean"]["entropy_before_tools"] is None  # not logged: no number is made up
 
 
+def test_a_stopped_run_continues_from_its_checkpoint_with_its_earlier_seconds(tmp_path):
+    from verl_arpo.utils.checkpoint.layout import begin_checkpoint, publish_checkpoint
+
+    rl = tmp_path / "rl"
+    assert ca.checkpointed_step(rl) == 0                       # nothing: the run starts over
+    (rl / "logs").mkdir(parents=True)
+    (rl / "latest_checkpointed_iteration.txt").write_text("6\n")
+    assert ca.checkpointed_step(rl) == 0                       # a tracker without its checkpoint: nothing to resume
+    for step in (3, 6):                                         # checkpoints as the trainer publishes them
+        staging = begin_checkpoint(str(rl), step)
+        (Path(staging) / "data.pt").write_bytes(b"step %d" % step)
+        publish_checkpoint(str(rl), step, staging)
+    assert ca.checkpointed_step(rl) == 6
+    (rl / "global_step_6" / "data.pt").write_bytes(b"damaged")  # the trainer would skip it: so does the runner
+    assert ca.checkpointed_step(rl) == 3
+    (rl / "global_step_6" / "data.pt").write_bytes(b"step 6")
+    assert ca.checkpointed_step(rl) == 6
+    lines = [{"step": 1, "timing_s/step": 40.0}, {"step": 2, "timing_s/step": 99.0},  # step 2 logged twice
+             {"step": 2, "timing_s/step": 50.0}, {"step": 7, "timing_s/step": 1000.0}]  # 7: after the checkpoint
+    lines = [{**m, "critic/score/mean": 0.5} for m in lines]   # what marks a step's line in metrics.jsonl
+    (rl / "logs" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert ca.earlier_steps_s(rl / "logs" / "metrics.jsonl", 6) == 90.0
+    assert ca.earlier_steps_s(rl / "logs" / "metrics.jsonl", 0) == 0.0
+    runs = {("arpo", 101): {"resumed_from_step": 6}, ("grpo", 101): {}}
+    assert ca.resumed_runs(runs) == [{"algo": "arpo", "pair": 101, "step": 6}]
+
+
 def test_training_record_refuses_a_run_that_logged_nothing(tmp_path):
     with pytest.raises(ValueError, match="no training step was logged"):
         ca.training_record(*_write_run(tmp_path, [], trajectories=4))
@@ -212,7 +239,8 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     env = {**os.environ, "VERL_ARPO_CACHE": str(tmp_path / "cache"), "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [sys.executable, str(ROOT / "experiments" / "compare_algorithms.py"), "--protocol", "legacy", "--tiny",
            "--smoke", "--pairs", "1", "--algos", "grpo,arpo", "--out", str(out), "--results", str(results),
-           "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+           "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+           "trainer.max_actor_ckpt_to_keep=2"]   # both steps' checkpoints stay: a stop after step 1 can be staged
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((results / "compare_algorithms.json").read_text())
@@ -223,23 +251,41 @@ def test_tiny_experiment_runs_resumes_and_redoes_a_killed_run(tmp_path):
     assert "data.seed=1" in grpo["overrides"] and "actor_rollout_ref.rollout.initial_rollouts=null" in grpo["overrides"]
     assert grpo["commit"] and grpo["config_sha256"] and len(grpo["load_avg_start"]) == 3
     assert (results / "compare_algorithms.png").stat().st_size > 0 and "| GRPO |" in (results / "compare_algorithms.md").read_text()
-    # kill ARPO's run (its completion marker is gone, a stray file is left): a re-run redoes ARPO from
-    # scratch and reuses GRPO and the SFT model untouched
-    (out / "runs" / "arpo_pair0" / "result.json").unlink()
+    # stop ARPO's run after its training (the completion marker is gone): a re-run keeps its RL checkpoint,
+    # merges and evaluates again, and reuses GRPO and the SFT model untouched
+    arpo = out / "runs" / "arpo_pair0"
+    (arpo / "result.json").unlink()
     (results / "compare_algorithms" / "arpo_pair0.json").unlink()
-    (out / "runs" / "arpo_pair0" / "stray.txt").write_text("half-written")
     kept = {p: p.stat().st_mtime_ns for p in (out / "runs" / "grpo_pair0" / "result.json", out / "eval_sft.json",
-                                              results / "compare_algorithms" / "grpo_pair0.json")}
+                                              results / "compare_algorithms" / "grpo_pair0.json",
+                                              arpo / "rl" / "logs" / "metrics.jsonl")}
     r2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-    assert "arpo_pair0: half-done (no result.json), starting it over" in r2.stdout
-    assert not (out / "runs" / "arpo_pair0" / "stray.txt").exists()
+    assert "arpo_pair0: half-done (no result.json); RL checkpoint at step 2 of 2: training is complete" in r2.stdout
+    assert "rl: started" not in r2.stdout and "eval: started" in r2.stdout
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
     assert "sft: started" not in r2.stdout and "grpo_pair0" not in r2.stdout
-    # the same seed pair gives the same run: ARPO's redo matches its first run to the bit
     rep2 = json.loads((results / "compare_algorithms.json").read_text())
-    assert rep2["algos"]["arpo"]["accuracy"] == rep["algos"]["arpo"]["accuracy"]
+    assert rep2["algos"]["arpo"]["accuracy"] == rep["algos"]["arpo"]["accuracy"]   # the same model, evaluated again
     assert rep2["algos"]["arpo"]["reward_curves"] == rep["algos"]["arpo"]["reward_curves"]
+    # stop it inside training (checkpoint of step 1 only, a stray file after it): the trainer resumes at step 1,
+    # and the run ends where the uninterrupted one did
+    (arpo / "result.json").unlink()
+    (results / "compare_algorithms" / "arpo_pair0.json").unlink()
+    import shutil
+    shutil.rmtree(arpo / "rl" / "global_step_2")
+    (arpo / "rl" / "latest_checkpointed_iteration.txt").write_text("1")
+    (arpo / "stray.txt").write_text("half-written")
+    r2b = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    assert r2b.returncode == 0, r2b.stdout[-3000:] + r2b.stderr[-3000:]
+    assert "RL checkpoint at step 1 of 2: training resumes there" in r2b.stdout
+    assert "resumed from" in (arpo / "logs" / "rl.log").read_text()
+    resumed = json.loads((results / "compare_algorithms" / "arpo_pair0.json").read_text())
+    assert resumed["resumed_from_step"] == 1 and resumed["train"]["steps"] == 2
+    rep2 = json.loads((results / "compare_algorithms.json").read_text())
+    assert rep2["algos"]["arpo"]["reward_curves"]["0"] == pytest.approx(rep["algos"]["arpo"]["reward_curves"]["0"])
+    assert rep2["resumed_runs"] == [{"algo": "arpo", "pair": 0, "step": 1}]
+    assert "arpo pair 0 (from step 1)" in (results / "compare_algorithms.md").read_text()
     # a fresh clone (a new --out, the committed store): the SFT model is trained again, is the same
     # model (same sha256), and every stored run is reused: nothing is trained
     r3 = subprocess.run([*cmd[:cmd.index("--out") + 1], str(tmp_path / "fresh"), *cmd[cmd.index("--out") + 2:]],
