@@ -26,7 +26,10 @@ Layout of --out (default outputs/compare):
   runs/<store>/<arm>_pair<k>/      one run: rl/ (checkpoints, metrics.jsonl, rollout dumps), eval.json, logs/
                                    (legacy: runs/<arm>_pair<k>/)
   .../result.json                  written last and atomically: a run folder without it is half-done, and
-                                   is deleted and run again from scratch (never resumed, never reported)
+                                   is never reported. Its training continues from its newest RL checkpoint
+                                   (the trainer's resume, which continues as the uninterrupted run would:
+                                   tests/trainer/test_e2e.py); merge and evaluation run again. Without a
+                                   checkpoint it is deleted and run from scratch.
 and in --results (default benchmarks/results, committed):
   <store>/sft.json                 the SFT model's sha256, the precision and its evaluation
   <store>/protocol.json            (confirm) the frozen config and its sha256
@@ -179,6 +182,22 @@ def last_per_step(metrics_file: Path) -> list[dict]:
         if "step" in m and "critic/score/mean" in m:
             rows[int(m["step"])] = m
     return [rows[s] for s in sorted(rows)]
+
+
+def checkpointed_step(rl_dir: Path) -> int:
+    """The step of the checkpoint an RL run's trainer resumes from — the newest intact one, found by the
+    trainer's own finder (trainer.resume_mode=auto) — or 0 when there is none."""
+    from verl_arpo.utils.checkpoint.layout import find_resumable_checkpoint, get_checkpoint_step
+
+    path = find_resumable_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
+    return get_checkpoint_step(path) if path else 0
+
+
+def earlier_steps_s(metrics_file: Path, upto: int) -> float:
+    """Seconds the logged steps 1..upto took (timing_s/step, the last line of each step counts)."""
+    if upto <= 0 or not metrics_file.exists():
+        return 0.0
+    return sum(float(m.get("timing_s/step", 0.0)) for m in last_per_step(metrics_file) if m["step"] <= upto)
 
 
 def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
@@ -437,16 +456,26 @@ class Experiment:
                       "train": training_record(d / "rl" / "logs" / "metrics.jsonl", d / "rl" / "rollout")}
             store.put(result)
             return result
-        if d.exists():  # a killed run: start it over, its partial numbers never reach the report
-            say(f"{d.name}: half-done (no result.json), starting it over")
+        kept = checkpointed_step(d / "rl")
+        if d.exists() and kept == 0:  # a killed run with nothing to continue: start it over
+            say(f"{d.name}: half-done (no result.json, no RL checkpoint), starting it over")
             shutil.rmtree(d)
+        elif d.exists():  # a killed run continues from its newest checkpoint; nothing after it is kept
+            say(f"{d.name}: half-done (no result.json); RL checkpoint at step {kept} of {self.rl_steps}: "
+                + ("training resumes there" if kept < self.rl_steps else "training is complete")
+                + "; merge and evaluation run again")
+            shutil.rmtree(d / "rl_model_hf", ignore_errors=True)
+            (d / "eval.json").unlink(missing_ok=True)
         logs = d / "logs"
         overrides = [*ARMS[algo], *self.protocol.overrides, *corpus_overrides(self.protocol), *seed_overrides(pair),
                      *self.overrides]
         t0, load0 = time.perf_counter(), list(os.getloadavg())
-        run_logged(rl_command(sft_dir, d / "rl", self.rl_steps, "arpo", d / "search_cache.sqlite", self.tiny, overrides,
-                              self.precision), logs / "rl.log", self.env)
-        t_rl = time.perf_counter() - t0
+        if kept < self.rl_steps:
+            run_logged(rl_command(sft_dir, d / "rl", self.rl_steps, "arpo", d / "search_cache.sqlite", self.tiny,
+                                  overrides, self.precision), logs / "rl.log", self.env, append=kept > 0)
+        # a resumed run's earlier part: the step times its metrics logged up to the checkpoint (its
+        # start-up, ~1 min, is not in them)
+        t_rl = time.perf_counter() - t0 + earlier_steps_s(d / "rl" / "logs" / "metrics.jsonl", kept)
         run_logged(merge_command(d / "rl", d / "rl_model_hf"), logs / "merge.log", self.env)
         t1 = time.perf_counter()
         self.evaluate(d / "rl_model_hf", d / "eval.json", logs / "eval.log")
@@ -458,6 +487,7 @@ class Experiment:
                                                                       d / "rl" / "rollout"),
                   "eval": eval_record(json.loads((d / "eval.json").read_text()), self.templates),
                   "wall_s": {"rl": round(t_rl, 1), "eval": round(t_eval, 1)},
+                  **({"resumed_from_step": kept} if kept else {}),
                   "load_avg_end": list(os.getloadavg())}
         shutil.rmtree(d / "rl_model_hf")  # 0.5 GB a run; the eval report and the checkpoint stay
         write_atomic(done, result)
@@ -650,6 +680,12 @@ def markdown(report: dict) -> str:
         ran = [f"{r['algo']} pair {r['pair']}" for r in report.get("runs_by_config", {}).get(am["config_sha256"], [])]
         lines += [f"Amended {am['time'][:10]} (commit {am['commit']}, now `{am['config_sha256'][:12]}`; "
                   f"{', '.join(am['files_changed'])}): {am['why']}" + (f" Runs under it: {', '.join(ran)}." if ran else "")]
+    resumed = report.get("resumed_runs", [])
+    if resumed:
+        lines += ["", "Resumed after a stop, from their RL checkpoint (training continues as the uninterrupted run "
+                  "would; their RL seconds are the resumed part plus the earlier steps' logged times, without the "
+                  "first part's start-up): " + ", ".join(f"{r['algo']} pair {r['pair']} (from step {r['step']})"
+                                                         for r in resumed) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -686,6 +722,12 @@ def picture(report: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def resumed_runs(runs: dict[tuple[str, int], dict]) -> list[dict]:
+    """The runs that continued from an RL checkpoint after a stop, and from which step."""
+    return [{"algo": algo, "pair": pair, "step": r["resumed_from_step"]}
+            for (algo, pair), r in sorted(runs.items()) if r.get("resumed_from_step")]
+
+
 def runs_by_config(runs: dict[tuple[str, int], dict]) -> dict[str, list[dict]]:
     """Which runs ran under which config_sha256 (a frozen store's original or an amendment)."""
     out: dict[str, list[dict]] = {}
@@ -706,7 +748,7 @@ def write_report(store: Store, targets: list[Path], algos: tuple[str, ...], meta
               "sft_sha256": sft["sft_sha256"], "protocol": protocol.store,
               "config_sha256": json.loads(frozen.read_text())["config_sha256"] if frozen.exists() else None,
               "amendments": json.loads(frozen.read_text()).get("amendments", []) if frozen.exists() else [],
-              "runs_by_config": runs_by_config(store.runs())}
+              "runs_by_config": runs_by_config(store.runs()), "resumed_runs": resumed_runs(store.runs())}
     md = markdown(report)
     for d in targets:
         d.mkdir(parents=True, exist_ok=True)
