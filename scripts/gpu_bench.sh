@@ -5,7 +5,8 @@
 #   bash scripts/gpu_bench.sh OUT_DIR [--skip-check]
 # Each step is bounded by its own timeout (GPU_BENCH_TIMEOUT seconds, default 240) so one slow step
 # cannot take the others' time; logs and JSON land in OUT_DIR. GPU_BENCH_DEVICE=cpu runs the same
-# steps on the host at the tiny shape (the test of this script).
+# steps on the host at the tiny shape (the test of this script). Commit what a GPU run writes as
+# benchmarks/results/gpu_check/<device>_<date>_<file> (h200_2026-12-01_actor_update_cuda_qwen2.5-0.5b.json).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${1:?usage: gpu_bench.sh OUT_DIR [--skip-check]}"
