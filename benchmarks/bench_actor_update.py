@@ -52,8 +52,10 @@ SHAPES = {  # Qwen2.5's shapes (config.json of the released models); tiny for th
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  intermediate_size=128),
 }
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
-"""Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity), matched against the device name."""
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H20": 148.0,
+                    "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+"""Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity; H100/H200 are the SXM parts),
+matched against the device name, the longest name first ("H100 PCIe" before "H100", "H200" before "H20")."""
 
 CPU_CASES = [  # label, who, precision, checkpointing, packing, prefix sharing, attention
     ("fp32, checkpointing", "ours", "fp32", True, False, False, "sdpa"),
@@ -114,7 +116,8 @@ def model_flops(config, row_lengths, passes: int, scored: int | None = None) -> 
 
 
 def peak_tflops(device_name: str) -> float | None:
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
+    return next((PEAK_BF16_TFLOPS[k] for k in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True) if k in device_name),
+                None)
 
 
 def child(spec: dict) -> dict:
@@ -258,7 +261,7 @@ def run(spec: dict) -> dict:
     if spec["device"] == "cpu":
         env["OMP_NUM_THREADS"] = str(spec["threads"])
     out = subprocess.run([sys.executable, __file__, "child", json.dumps(spec)], capture_output=True, text=True,
-                         env=env, timeout=3600)
+                         env=env, timeout=spec.get("timeout", 3600))
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return {**spec, **json.loads(out.stdout.strip().splitlines()[-1])}
@@ -308,6 +311,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="8 rows, 1 timed step")
     p.add_argument("--cases", default="all", help="comma-separated case numbers (1-based) or all")
     p.add_argument("--out", default=None, help="default benchmarks/results/actor_update[_<device>][_<shape>].json")
+    p.add_argument("--case_timeout", type=float, default=3600,
+                   help="seconds per case (its own process); a case past it is recorded as failed and the rest run")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     if cuda:
@@ -335,22 +340,37 @@ def main(argv=None) -> None:
             from bench_common import smollm2_dir
 
             model = smollm2_dir()
-        rows = []
+        from bench_common import machine_info
+
+        rows, failed = [], []
+
+        def save() -> None:   # after every case: a lease that ends mid-run keeps the cases it measured
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(dict(benchmark="actor_update", args=vars(a), machine=machine_info(),
+                                                rows=rows, failed=failed, summary=summarize(rows),
+                                                load_avg=list(os.getloadavg())), indent=2))
+
         for label, who, precision, ckpt, packing, sharing, attn in cases:
-            r = run(dict(model=model, device=a.device, rows=a.rows, response_max=a.response_max,
-                         micro_tokens=a.micro_tokens, threads=a.threads, steps=a.steps, who=who, precision=precision,
-                         checkpointing=ckpt, packing=packing, sharing=sharing, attn=attn))
+            try:
+                r = run(dict(model=model, device=a.device, rows=a.rows, response_max=a.response_max,
+                             micro_tokens=a.micro_tokens, threads=a.threads, steps=a.steps, who=who,
+                             precision=precision, checkpointing=ckpt, packing=packing, sharing=sharing, attn=attn,
+                             timeout=a.case_timeout))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:   # one path failing (memory, a kernel) is a result
+                why = f"timed out after {a.case_timeout:.0f} s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
+                failed.append({"who": who, "label": label, "error": why[-3000:]})
+                print(f"{who:<5} {label:<58} FAILED: {why.strip().splitlines()[-1] if why.strip() else why}", flush=True)
+                save()
+                continue
             rows.append({**r, "label": label, "model": a.shape or model})
             mfu = f"  MFU {r['mfu']:.1%}" if r["mfu"] is not None else f"  {r['tflops'] * 1e3:.1f} GFLOP/s"
             print(f"{who:<5} {label:<58} update {r['tok_per_s']:>8.0f} tok/s{mfu}  peak {r['peak_mib']:.0f} MiB | "
                   f"log-prob {r['log_prob_tok_per_s']:>8.0f} tok/s  peak {r['log_prob_peak_mib']:.0f} MiB | "
                   f"mean log p {r['mean_log_prob']:.4f}, grad norm {r['grad_norm']:.4g}", flush=True)
-    from bench_common import machine_info
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(dict(benchmark="actor_update", args=vars(a), machine=machine_info(), rows=rows,
-                                        summary=summarize(rows), load_avg=list(os.getloadavg())), indent=2))
+            save()
     print(f"wrote {out_path}")
+    if failed:
+        sys.exit(f"{len(failed)} of {len(cases)} cases failed: {', '.join(f['label'] for f in failed)}")
 
 
 if __name__ == "__main__":

@@ -343,7 +343,7 @@ def _child_ours(spec_path: str, out_path: str) -> None:
 
     from verl_arpo.trainer.config import validate_config
     from verl_arpo.trainer.main_ppo import init_ray
-    from verl_arpo.trainer.ppo.ray_trainer import run_ppo
+    from verl_arpo.trainer.ppo.ray_trainer import cpu_threads_per_worker, run_ppo
 
     specs = json.loads(Path(spec_path).read_text())
     specs = specs if isinstance(specs, list) else [specs]
@@ -376,7 +376,10 @@ def _child_ours(spec_path: str, out_path: str) -> None:
                           "update_s": m.get("timing_s/update_actor", 0.0), "sync_s": m.get("timing_s/weight_sync", 0.0),
                           "tokens": m["perf/total_num_tokens"], "gen_tokens": m["rollout/tokens_generated"],
                           "response_len_mean": m.get("response_length/mean")})
-        results.append({"steps": steps, "run_s": wall, "workers": spec.get("workers", 2), "threads_per_worker": 1,
+        workers = spec.get("workers", 2)   # each reserves an equal share of the node's cores as torch threads
+        cores = min(float(ray.cluster_resources().get("CPU", 1)), float(os.cpu_count() or 1))
+        results.append({"steps": steps, "run_s": wall, "workers": workers,
+                        "threads_per_worker": cpu_threads_per_worker(cores, workers),
                         "driver_torch_threads": torch.get_num_threads(), **mem.stop()})
     ray.shutdown()
     Path(out_path).write_text(json.dumps({"runs": results, "ray_start_s": t_ray,

@@ -236,8 +236,9 @@ def main(argv=None):
     drop = ("per_run",)
     def ours_label(side):
         w = int(side[6:])
+        threads = (runs[side][0].get("threads_per_worker") if runs[side] else None) or 1
         extra = f", {' '.join(o.rsplit('.', 1)[-1] for o in a.ours_override)}" if a.ours_override else ""
-        return f"verl_arpo ({w} Ray worker{'s' if w > 1 else ''} x 1 thread{extra})"
+        return f"verl_arpo ({w} Ray worker{'s' if w > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}{extra})"
 
     table = [{"trainer": ours_label(main_side), **{k: v for k, v in o.items() if k not in drop}}]
     table += [{"trainer": ours_label(s) + " (variant)", **{k: x for k, x in v.items() if k not in drop}}

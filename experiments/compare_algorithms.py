@@ -53,8 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))   # comparison_report.py beside this script
@@ -77,6 +75,8 @@ from verl_arpo.quickstart import (  # noqa: E402  (after the path set-up: runs a
     train_sft,
 )
 
+from run_records import (RUN_IDENTITY, checkpointed_step, earlier_steps_s, eval_record,  # noqa: E402,F401
+                         last_per_step, resume_refusal, training_record, write_atomic)
 from comparison_report import (BASELINE, BUDGETS, KINDS, PROMPTS_PER_STEP, budgets, build_report,  # noqa: E402,F401
                                complete_pairs, markdown, picture, resumed_runs, runs_by_config, verdict)
 
@@ -168,98 +168,6 @@ def templates_of(data: Path) -> dict[str, str]:
 
     rows = pq.read_table(data, columns=["extra_info"]).column("extra_info").to_pylist()
     return {r["question"]: r["template"] for r in rows if r and "template" in r}
-
-
-# --------------------------------------------------------------------------- one run's record
-def last_per_step(metrics_file: Path) -> list[dict]:
-    """metrics.jsonl rows, one per step (a resumed run appends: the last line of a step counts)."""
-    rows: dict[int, dict] = {}
-    for line in open(metrics_file):
-        m = json.loads(line)
-        if "step" in m and "critic/score/mean" in m:
-            rows[int(m["step"])] = m
-    return [rows[s] for s in sorted(rows)]
-
-
-def checkpointed_step(rl_dir: Path) -> int:
-    """The step of the checkpoint an RL run's trainer resumes from — the newest intact one, found by the
-    trainer's own finder (trainer.resume_mode=auto) — or 0 when there is none."""
-    from verl_arpo.utils.checkpoint.layout import find_resumable_checkpoint, get_checkpoint_step
-
-    path = find_resumable_checkpoint(str(rl_dir)) if rl_dir.is_dir() else None
-    return get_checkpoint_step(path) if path else 0
-
-
-def earlier_steps_s(metrics_file: Path, upto: int) -> float:
-    """Seconds the logged steps 1..upto took (timing_s/step, the last line of each step counts)."""
-    if upto <= 0 or not metrics_file.exists():
-        return 0.0
-    return sum(float(m.get("timing_s/step", 0.0)) for m in last_per_step(metrics_file) if m["step"] <= upto)
-
-
-def training_record(metrics_file: Path, rollout_dir: Path) -> dict[str, Any]:
-    """Per-step training numbers of one run: executed tool calls (every tool's `calls` counter, summed
-    over ranks) per trajectory, tool calls counted in the trajectories (a branch inherits its
-    prefix's), branches and the branch rule's draws (branches / draws = how often it fires), generated
-    tokens (the engine's new tokens, tool results excluded), trained
-    tokens (prompt + response rows of the update's batch), step and rollout seconds, and the entropy
-    around tool calls (ARPO's branching signal)."""
-    steps = last_per_step(metrics_file)
-    if not steps:
-        raise ValueError(f"{metrics_file}: no training step was logged")
-    out: dict[str, list[float]] = {k: [] for k in (
-        "reward", "executed_tool_calls_per_traj", "tool_calls_in_traj_per_traj", "branches", "branch_draws",
-        "tokens_generated",
-        "tokens_trained", "step_s", "rollout_s", "update_s", "entropy_before_tools", "entropy_after_tools",
-        "prompts", "pg_clipfrac", "pg_clipfrac_lower", "branch_p_mean", "branch_draws_zero_dh",
-        "tool_infra_failures")}
-    for m in steps:
-        with open(rollout_dir / f"rollout_{m['step']}.jsonl") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        trajectories = len(rows)
-        out["prompts"].append(float(len({r.get("uid") for r in rows})))
-        # tools/calls is the executor's total; tools/<name>/calls its share per tool (older logs: sum those)
-        executed = m.get("tools/calls", sum(v for k, v in m.items() if k.count("/") == 2 and k.startswith("tools/")
-                                            and k.endswith("/calls")))
-        out["reward"].append(m["critic/score/mean"])
-        out["executed_tool_calls_per_traj"].append(executed / trajectories)
-        out["tool_calls_in_traj_per_traj"].append(m.get("tools/calls_per_traj", 0.0))
-        out["branches"].append(m.get("rollout/branches", 0.0))
-        out["branch_draws"].append(m.get("rollout/branch_draws", float("nan")))  # logged from this commit on
-        out["tokens_generated"].append(m.get("rollout/tokens_generated", 0.0))
-        out["tokens_trained"].append(m.get("perf/total_num_tokens", 0.0))
-        out["step_s"].append(m.get("timing_s/step", 0.0))
-        out["rollout_s"].append(m.get("timing_s/gen", m.get("timing_s/rollout", 0.0)))
-        out["update_s"].append(m.get("timing_s/update_actor", 0.0))
-        out["entropy_before_tools"].append(m.get("rollout/entropy/before_tools", float("nan")))
-        out["entropy_after_tools"].append(m.get("rollout/entropy/after_tools", float("nan")))
-        for k in ("pg_clipfrac", "pg_clipfrac_lower"):   # the mean over the step's micro-batches
-            out[k].append(m.get(f"actor/{k}", float("nan")))
-        out["branch_p_mean"].append(m.get("rollout/branch_p_mean", float("nan")))
-        out["branch_draws_zero_dh"].append(m.get("rollout/branch_draws_zero_dh", float("nan")))
-        # tool outages (service down, executor timeout): the outage policy acts only on these
-        out["tool_infra_failures"].append(m.get("tools/infra_failures", float("nan")))
-    return {"steps": len(steps), "per_step": out, "trajectories_per_step": trajectories,
-            "mean": {k: float(np.nanmean(v)) if not np.all(np.isnan(v)) else None for k, v in out.items()}}
-
-
-def eval_record(report: dict, templates: dict[str, str] | None = None) -> dict[str, Any]:
-    """What the comparison keeps of a main_eval report: accuracy overall and per task type, tool calls
-    per question, and each question's score (keyed by its text, so runs can be aligned and checked)
-    and template (`templates`: question -> template, for the clustered interval)."""
-    extra = {"templates": [templates.get(q["question"], "?") for q in report["samples"]]} if templates else {}
-    return {**extra, "accuracy": report["overall"]["accuracy"],
-            "per_kind": {KINDS.get(ds, ds): m["accuracy"] for ds, m in report["per_data_source"].items()},
-            "tool_calls_per_question": report["overall"]["tool_calls_per_question"],
-            "questions": [q["question"] for q in report["samples"]],
-            "kinds": [KINDS.get(q["data_source"], q["data_source"]) for q in report["samples"]],
-            "correct": [sum(s["correct"] for s in q["samples"]) / len(q["samples"]) for q in report["samples"]]}
-
-
-def write_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def weights_sha256(model_dir: Path) -> str:
@@ -453,10 +361,16 @@ class Experiment:
                       "train": training_record(d / "rl" / "logs" / "metrics.jsonl", d / "rl" / "rollout")}
             store.put(result)
             return result
+        overrides = [*ARMS[algo], *self.protocol.overrides, *corpus_overrides(self.protocol), *seed_overrides(pair),
+                     *self.overrides]
+        identity = {"config_sha256": self.config_sha256, "rl_steps": self.rl_steps, "precision": self.precision,
+                    "sft_sha256": sft_sha, "overrides": overrides}
         kept = checkpointed_step(d / "rl")
-        if d.exists() and kept == 0:  # a killed run with nothing to continue: start it over
-            say(f"{d.name}: half-done (no result.json, no RL checkpoint), starting it over")
+        why_not = resume_refusal(d, identity, kept) if d.exists() else None
+        if d.exists() and why_not:  # a killed run with nothing (or nothing right) to continue: start it over
+            say(f"{d.name}: half-done (no result.json), {why_not}: starting it over")
             shutil.rmtree(d)
+            kept = 0
         elif d.exists():  # a killed run continues from its newest checkpoint; nothing after it is kept
             say(f"{d.name}: half-done (no result.json); RL checkpoint at step {kept} of {self.rl_steps}: "
                 + ("training resumes there" if kept < self.rl_steps else "training is complete")
@@ -464,8 +378,8 @@ class Experiment:
             shutil.rmtree(d / "rl_model_hf", ignore_errors=True)
             (d / "eval.json").unlink(missing_ok=True)
         logs = d / "logs"
-        overrides = [*ARMS[algo], *self.protocol.overrides, *corpus_overrides(self.protocol), *seed_overrides(pair),
-                     *self.overrides]
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(d / RUN_IDENTITY, identity)   # what a resumed run must match (resume_refusal)
         t0, load0 = time.perf_counter(), list(os.getloadavg())
         if kept < self.rl_steps:
             run_logged(rl_command(sft_dir, d / "rl", self.rl_steps, "arpo", d / "search_cache.sqlite", self.tiny,
@@ -473,7 +387,9 @@ class Experiment:
         # a resumed run's earlier part: the step times its metrics logged up to the checkpoint (its
         # start-up, ~1 min, is not in them)
         t_rl = time.perf_counter() - t0 + earlier_steps_s(d / "rl" / "logs" / "metrics.jsonl", kept)
-        run_logged(merge_command(d / "rl", d / "rl_model_hf"), logs / "merge.log", self.env)
+        # the final step's checkpoint by name, not whatever the tracker file names
+        run_logged(merge_command(d / "rl" / f"global_step_{self.rl_steps}", d / "rl_model_hf"), logs / "merge.log",
+                   self.env)
         t1 = time.perf_counter()
         self.evaluate(d / "rl_model_hf", d / "eval.json", logs / "eval.log")
         t_eval = time.perf_counter() - t1

@@ -50,6 +50,8 @@ def test_shapes_are_qwen25s_and_peaks_are_named():
     assert params(SHAPES["qwen2.5-0.5b"]) / 1e6 == pytest.approx(494, abs=1)
     assert params(SHAPES["qwen2.5-1.5b"]) / 1e9 == pytest.approx(1.54, abs=0.01)
     assert peak_tflops("NVIDIA H200") == 989.0 and peak_tflops("cpu") is None
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H20") == 148.0 and peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
 
 
 def test_gpu_bench_script_runs_on_the_cpu_and_every_path_scores_alike(tmp_path):
@@ -73,3 +75,22 @@ def test_gpu_bench_script_runs_on_the_cpu_and_every_path_scores_alike(tmp_path):
         assert row["tok_per_s"] > 0 and row["log_prob_tok_per_s"] > 0 and row["mfu"] is None  # no peak on a CPU
     assert {e["metric"].split(":")[0] for e in data["summary"]} == {"trained tok/s, ours / bare loop",
                                                                     "log-prob tok/s, ours / bare loop"}
+
+
+def test_gpu_bench_script_reports_a_failed_step_and_keeps_the_cases_it_measured(tmp_path):
+    """A lease that runs out of time must not look like a success: with every case past its time
+    limit the bench records each one as failed in its JSON (written as it goes) and exits non-zero,
+    and the script exits 1 naming the step. Before the fix, `cmd | tee | grep || true` read the exit
+    status of `true` and the script exited 0 whatever happened."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "GPU_BENCH_DEVICE": "cpu", "GPU_BENCH_CASE_TIMEOUT": "0.01"}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(tmp_path), "--skip-check"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "== actor_update_tiny: exit 1" in r.stdout
+    data = json.loads((tmp_path / "actor_update_tiny.json").read_text())
+    assert data["rows"] == [] and len(data["failed"]) == 4
+    assert all("timed out" in f["error"] for f in data["failed"])

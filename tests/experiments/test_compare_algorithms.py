@@ -123,6 +123,30 @@ def test_a_stopped_run_continues_from_its_checkpoint_with_its_earlier_seconds(tm
     assert ca.resumed_runs(runs) == [{"algo": "arpo", "pair": 101, "step": 6}]
 
 
+def test_a_stopped_run_resumes_only_under_its_own_settings_with_every_step_logged(tmp_path):
+    """resume_refusal: the reasons a stopped run starts over instead of continuing."""
+    run = tmp_path / "arpo_pair101"
+    logs = run / "rl" / "logs"
+    logs.mkdir(parents=True)
+    identity = {"config_sha256": "abc", "rl_steps": 13, "precision": "fp32", "sft_sha256": "s", "overrides": ["x=1"]}
+
+    def log(*steps):
+        (logs / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "critic/score/mean": 0.5}) + "\n"
+                                                    for k in steps))
+
+    log(1, 2, 3, 4, 5, 6)
+    assert ca.resume_refusal(run, identity, 0) == "no RL checkpoint"
+    assert ca.resume_refusal(run, identity, 6) is None           # a run from before run.json: the rest holds
+    assert "past this run's 5 steps" in ca.resume_refusal(run, {**identity, "rl_steps": 5}, 6)
+    ca.write_atomic(run / ca.RUN_IDENTITY, identity)
+    assert ca.resume_refusal(run, identity, 6) is None
+    assert ca.resume_refusal(run, {**identity, "config_sha256": "new"}, 6) == "it began under another config_sha256"
+    assert "overrides, precision" in ca.resume_refusal(run, {**identity, "precision": "bf16", "overrides": []}, 6)
+    log(1, 2, 3, 4, 5)                                             # killed between step 6's checkpoint and its log line
+    assert ca.resume_refusal(run, identity, 6) == "its metrics log lacks step(s) [6] before its checkpoint at step 6"
+    assert ca.resume_refusal(run, identity, 5) is None
+
+
 def test_training_record_refuses_a_run_that_logged_nothing(tmp_path):
     with pytest.raises(ValueError, match="no training step was logged"):
         ca.training_record(*_write_run(tmp_path, [], trajectories=4))

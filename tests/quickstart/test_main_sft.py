@@ -55,6 +55,15 @@ def test_sft_reduces_loss_and_saves_hf_folder(tiny_model_dir, sft_file, tmp_path
     assert _dataset_loss(out, sft_file) < 0.8 * _dataset_loss(tiny_model_dir, sft_file)
 
 
+def test_flex_attention_sft_on_the_cpu_is_refused_by_name(tiny_model_dir, sft_file, tmp_path):
+    """FlexAttention has no CPU backward: without the check, the first training step raised from inside
+    torch; now the run stops before it, naming the key and the fix."""
+    cfg = main_sft.load_config(_overrides(tiny_model_dir, sft_file, str(tmp_path / "out"),
+                                          **{"model.attn_implementation": "flex_attention"}))
+    with pytest.raises(ValueError, match=r"model\.attn_implementation=flex_attention trains only on CUDA.*=sdpa"):
+        main_sft.run_sft(cfg)
+
+
 def test_config_rejects_unknown_keys_and_requires_model():
     with pytest.raises(SystemExit, match="bad override"):
         main_sft.load_config(["model.partial_pretrain=x", "optim.learning_rate=1"])

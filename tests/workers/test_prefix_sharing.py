@@ -79,6 +79,67 @@ def test_visibility_ends_of_packed_rows():
     assert torch.equal(relation_of_ends(ends), expected)
 
 
+def random_depth_first(rng, n):
+    """Depths of n nodes in depth-first preorder: each node a child of the previous one or of one of
+    its ancestors, or a new root (packed rows and prefix trees alike)."""
+    depth = [0]
+    while len(depth) < n:
+        depth.append(rng.randint(0, depth[-1] + 1) if rng.random() < 0.3 else depth[-1] + 1)
+    return torch.tensor(depth)
+
+
+@pytest.mark.parametrize("n,block,seed", [(1, 128, 0), (200, 128, 1), (256, 128, 2), (300, 128, 3),
+                                          (97, 16, 4), (128, 16, 5), (130, 16, 6), (75, 8, 7)])
+def test_tree_block_mask_table_equals_create_block_mask(n, block, seed):
+    """tree_block_mask builds its block table from end(k) alone (no N × N mask); it must be the table
+    FlexAttention's own create_block_mask finds by evaluating the mask on every pair: partial and
+    full blocks, counts and order, and the same mask inside the blocks (to_dense)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from verl_arpo.workers.training_core import tree_block_mask
+
+    rng = random.Random(seed)
+    depth = random_depth_first(rng, n)
+    ends = visibility_ends(depth)
+    ours = tree_block_mask(depth, block_size=block)
+    reference = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q < ends[kv]), None, None, n, n,
+                                  device="cpu", BLOCK_SIZE=block)
+    for field in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(ours, field), getattr(reference, field)), field
+    for count, field in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        for i, c in enumerate(getattr(ours, count)[0, 0].tolist()):   # the listed blocks; the tail is unused
+            assert getattr(ours, field)[0, 0, i, :c].tolist() == getattr(reference, field)[0, 0, i, :c].tolist()
+    assert ours.seq_lengths == (n, n)
+    dense = ours.to_dense()[0, 0].bool()   # [q blocks, kv blocks]: where the kernel computes anything
+    relation = relation_of_ends(ends)
+    nb = dense.shape[0]
+    padded = torch.zeros(nb * block, nb * block, dtype=torch.bool)
+    padded[:n, :n] = relation
+    reached = padded.view(nb, block, nb, block).any(3).any(1)
+    assert torch.equal(dense, reached)   # a block is listed iff some pair in it is visible
+
+
+def test_tree_block_mask_memory_is_linear_in_the_nodes():
+    """At 16,384 nodes the N × N mask create_block_mask evaluates without compilation is 256 Mi pairs
+    (~2.5 GiB of peak memory in its vmap); tree_block_mask's table is 128 × 128 blocks. Measured as the
+    peak RSS growth of a fresh process."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from verl_arpo.workers.training_core import tree_block_mask
+depth = torch.arange(16384) % 300   # packed rows of 300 tokens
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = tree_block_mask(depth)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, int(mask.kv_num_blocks.sum()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    grown_mib, listed = out.stdout.split()
+    assert float(grown_mib) < 64, out.stdout
+    assert 128 <= int(listed) < 128 * 3   # the diagonal and the blocks a 300-token row spans
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_is_the_set_of_distinct_prefixes(seed):
     rng = random.Random(seed)

@@ -54,6 +54,7 @@ from verl_arpo.utils.device import without_cudnn_attention
 from verl_arpo.config import OptimConfig
 from verl_arpo.workers.optim_step import build_adamw, build_lr_scheduler, clip_grad_and_step
 from verl_arpo.workers.sharded_model import load_causal_lm, shard_fsdp2
+from verl_arpo.workers.training_core import check_trainable_attention
 
 logger = logging.getLogger("verl_arpo.sft")
 
@@ -295,6 +296,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     model = load_causal_lm(model_path, dtype=dtype, attn=cfg.model.attn_implementation,
                            trust_remote_code=cfg.model.trust_remote_code,
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing).to(device)
+    check_trainable_attention(model, device, "model")   # flex_attention has no CPU backward: refuse it by name
     model.config.use_cache = False
     model = shard_model(model, world, device)
     model.train()

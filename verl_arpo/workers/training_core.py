@@ -114,19 +114,46 @@ def check_trainable_attention(module: torch.nn.Module, device: torch.device, whe
                          f"backward): set {where}.attn_implementation=sdpa on the CPU")
 
 
-def tree_block_mask(depth: torch.Tensor):
+def tree_block_mask(depth: torch.Tensor, block_size: int = 128):
     """FlexAttention's BlockMask of a depth-first packed row (a prefix tree, or packed rows): node q
     attends to node k iff k ≤ q < end(k) (prefix_packing.visibility_ends). Blocks no pair reaches are
-    skipped by the kernel; the mask is O(N) numbers plus the block table, not N × N."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    skipped by the kernel. The block table comes straight from `end`, O(N) work and memory:
+    `create_block_mask` without compilation evaluates the mask on all N × N pairs (~0.6 GiB at N = 8192).
+
+    For query block i (q in [iB, q_hi_i]) and key block j (k in [jB, k_hi_j]), B = `block_size`:
+    - i < j: every k > every q, nothing visible; i = j: k = q is visible;
+    - i > j: every k < every q, so some pair is visible iff max_j end(k) > iB;
+    - a block is *full* (no mask needed) iff both blocks are whole, i > j and min_j end(k) > q_hi_i;
+      like `create_block_mask`, a block cut by the end of the row is never full.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     ends = visibility_ends(depth)
     n = int(depth.numel())
+    nb = -(-n // block_size)
+    dev = depth.device
+    # positions past the row's end get end(k) = k (they see nothing), so max/min run over whole blocks
+    padded = torch.cat([ends, torch.arange(n, nb * block_size, device=dev)]).view(nb, block_size)
+    max_end, min_end = padded.max(-1).values, padded.min(-1).values
+    blk = torch.arange(nb, device=dev)
+    q_lo, q_hi = blk * block_size, torch.clamp((blk + 1) * block_size, max=n) - 1
+    whole = (blk + 1) * block_size <= n
+    below = blk[:, None] > blk[None, :]   # [i, j]: query block after key block
+    any_visible = (blk[:, None] == blk[None, :]) | (below & (max_end[None, :] > q_lo[:, None]))
+    full = below & whole[:, None] & whole[None, :] & (min_end[None, :] > q_hi[:, None])
+    partial = any_visible & ~full
+
+    def ordered(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks per query block, their key-block indices first, ascending): BlockMask's layout."""
+        t = table.to(torch.int32)
+        return t.sum(-1)[None, None].contiguous(), torch.argsort(t, dim=-1, descending=True, stable=True).to(
+            torch.int32)[None, None].contiguous()
 
     def visible(b, h, q, kv):
         return (kv <= q) & (q < ends[kv])
 
-    return create_block_mask(visible, B=None, H=None, Q_LEN=n, KV_LEN=n, device=depth.device)
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=visible,
+                                    seq_lengths=(n, n))
 
 
 def _pack(micro, response_length: int, share_prefix: bool = False, kernel: str | None = None) -> dict | None:
