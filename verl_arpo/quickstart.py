@@ -35,6 +35,7 @@ from pathlib import Path
 
 from verl_arpo.utils.resources import bundled_root, config_dir
 from verl_arpo.utils.stats import paired_gain
+from verl_arpo.utils.threads import cpu_thread_env
 
 ROOT = bundled_root()
 """Where the bundled task lives (rl_datasets/): the checkout, or the installed package's data."""
@@ -62,9 +63,10 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool 
         raise SystemExit(f"[quickstart] stage failed (exit {rc}); log: {log}\n{tail}")
 
 
-# The environment every stage's subprocess runs with: offline, unbuffered, no usage reporting.
+# The environment every stage's subprocess runs with: offline, unbuffered, no usage reporting, CPU
+# threads that sleep while they wait (a busy machine: docs/performance.md, "Threads on a busy machine").
 STAGE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-             "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+             "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **cpu_thread_env()}
 
 # The three algorithms are switches on one trainer (docs/algorithms.md): configs/quickstart.yaml is
 # ARPO; GRPO samples n independent trajectories; AEPO adds its rollout and loss switches to ARPO's.

@@ -1,9 +1,12 @@
 """A real 2-worker Ray group: gloo all-reduce, every dispatch mode, rank-zero calls, node info."""
 
+import os
+
 import pytest
 import torch
 
 from verl_arpo.protocol import DataProto
+from verl_arpo.utils.threads import CPU_WAIT_VARS
 
 
 @pytest.fixture
@@ -35,6 +38,9 @@ def test_environment_and_node_info(group):
         {"RANK": "0", "LOCAL_WORLD_SIZE": "2", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"},
         {"RANK": "1", "LOCAL_WORLD_SIZE": "2", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"},
     ]
+    # threads that sleep while they wait (utils/threads.py), where this environment chose no policy
+    if not any(k in os.environ for k in CPU_WAIT_VARS):
+        assert group.env(["OMP_WAIT_POLICY"]) == [{"OMP_WAIT_POLICY": "PASSIVE"}] * 2
     assert group.execute_all("get_node_info")[1]["pid"] == infos[1]["pid"]
     assert group.execute_rank_zero("get_node_info")["pid"] == infos[0]["pid"]
 

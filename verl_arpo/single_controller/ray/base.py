@@ -59,6 +59,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from verl_arpo.single_controller.base import GROUP_HOSTS_ENV, Worker, find_master_addr_port
 from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, get_method_spec, plan_call
 from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
+from verl_arpo.utils.threads import cpu_thread_env
 
 __all__ = ["PendingCall", "RayClassWithInitArgs", "RayWorkerGroup", "WorkerGroupError", "WorkerGroupTimeoutError"]
 
@@ -184,7 +185,9 @@ class RayWorkerGroup:
         threads = str(max(1, int(self.num_cpus_per_worker)))
         options = dict(self.ray_cls_with_init.options)
         runtime_env = dict(options.pop("runtime_env", None) or {})
-        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        user_env = {**(runtime_env.get("env_vars") or {}), **self._env_vars, **env}
+        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                    **cpu_thread_env(user_env)}   # threads that sleep while they wait (a user's policy wins)
         env_vars.update(runtime_env.get("env_vars") or {})
         env_vars.update(self._env_vars)
         env_vars.update(env)
