@@ -145,9 +145,10 @@ def file_sha256(path: Path) -> str:
 
 
 def protocol_record(protocol: Protocol, rl_steps: int, precision: str, extra: list[str]) -> dict[str, Any]:
-    """Everything that decides a run besides its seeds, and its sha256 (`config_sha256`): every
-    arm's overrides, the configs, the code of the rollout and the update, the eval split and the
-    corpus. A frozen store holds runs of one such record only."""
+    """Everything that decides a run besides its seeds and its code, and its sha256 (`config_sha256`):
+    every arm's overrides, the configs, the training data, the eval split and the corpus (by sha256).
+    The code is not hashed: each run records its commit. A frozen store holds runs of one such
+    record only."""
     files = ["configs/quickstart.yaml", "configs/ppo_trainer.yaml", "rl_datasets/train.parquet",
              "rl_datasets/sft_train.jsonl", str(protocol.eval_data.relative_to(ROOT))]
     if protocol.corpus is not None:
