@@ -29,7 +29,9 @@ CPU_SIZES = dict(N_GPUS_PER_NODE="2", TRAIN_BATCH_SIZE="2", PPO_MINI_BATCH_SIZE=
                  SAVE_FREQ="2", TEST_FREQ="-1")
 GPU_SCRIPTS = ["ARPO_7B_Reasoning_1node.sh", "ARPO_14B_DeepSearch_1node.sh", "AEPO_Qwen25_7B_DeepResearch.sh",
                "AEPO_Qwen3_14B_DeepResearch.sh"]
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|.*\| step_s ([0-9.]+)", re.M)
+# not anchored at a line's start: a Ray worker's log line without its newline can run into the
+# driver's step line on the shared stdout ("...Failed to load weightsstep 1/2 | ...")
+STEP_LINE = re.compile(r"(?<![_/])step (\d+)/(\d+) \|.*?\| step_s ([0-9.]+)")
 
 
 def _env(**extra) -> dict:
