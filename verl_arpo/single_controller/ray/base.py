@@ -185,13 +185,12 @@ class RayWorkerGroup:
         threads = str(max(1, int(self.num_cpus_per_worker)))
         options = dict(self.ray_cls_with_init.options)
         runtime_env = dict(options.pop("runtime_env", None) or {})
-        user_env = {**(runtime_env.get("env_vars") or {}), **self._env_vars, **env}
-        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                    **cpu_thread_env(user_env)}   # threads that sleep while they wait (a user's policy wins)
+        env_vars = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         env_vars.update(runtime_env.get("env_vars") or {})
         env_vars.update(self._env_vars)
         env_vars.update(env)
-        runtime_env["env_vars"] = env_vars
+        # threads that sleep while they wait, unless a wait policy is set above (the user's wins)
+        runtime_env["env_vars"] = {**cpu_thread_env(env_vars), **env_vars}
         options.update(
             name=f"{self.name_prefix}:{rank}",
             num_cpus=self.num_cpus_per_worker,
