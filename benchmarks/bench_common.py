@@ -327,6 +327,8 @@ def ours_overrides(spec: dict) -> list[str]:
           f"trainer.total_training_steps={spec['steps']}", f"trainer.default_local_dir={spec['out_dir']}",
           "trainer.logger=[jsonl]", "trainer.val_before_train=false", "trainer.save_freq=-1",
           "trainer.test_freq=-1", "trainer.resume_mode=disable"]
+    if spec.get("single_process"):   # the one worker in the driver's process, no Ray
+        ov.append("trainer.single_process=true")
     if not spec.get("tools", False):   # plain GRPO (what TRL runs): no tool stop strings, no executor
         ov.append("~actor_rollout_ref.rollout.tools")
     return ov + list(spec.get("extra_overrides", []))
@@ -352,13 +354,15 @@ def _child_ours(spec_path: str, out_path: str) -> None:
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
             cfgs.append(validate_config(compose(config_name="cpu_tiny", overrides=ours_overrides(spec))))
     t0 = time.perf_counter()
-    import ray
+    use_ray = not all(c.trainer.single_process for c in cfgs)   # trainer.single_process: no Ray at all
+    if use_ray:
+        import ray
 
-    # address="local": always a private cluster for this run, never one another job started with `ray start`
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
-    ray.init(address="local", num_cpus=max(int(c.ray_init.num_cpus) for c in cfgs), include_dashboard=False,
-             runtime_env={"env_vars": env}, log_to_driver=True)
-    init_ray(cfgs[0])   # no-op once Ray is up
+        # address="local": always a private cluster for this run, never one another job started with `ray start`
+        env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+        ray.init(address="local", num_cpus=max(int(c.ray_init.num_cpus) for c in cfgs), include_dashboard=False,
+                 runtime_env={"env_vars": env}, log_to_driver=True)
+        init_ray(cfgs[0])   # no-op once Ray is up
     t_ray = time.perf_counter() - t0
     results = []
     for spec, cfg in zip(specs, cfgs):
@@ -377,11 +381,14 @@ def _child_ours(spec_path: str, out_path: str) -> None:
                           "tokens": m["perf/total_num_tokens"], "gen_tokens": m["rollout/tokens_generated"],
                           "response_len_mean": m.get("response_length/mean")})
         workers = spec.get("workers", 2)   # each reserves an equal share of the node's cores as torch threads
-        cores = min(float(ray.cluster_resources().get("CPU", 1)), float(os.cpu_count() or 1))
+        logical = float(ray.cluster_resources().get("CPU", 1)) if use_ray else float(cfg.ray_init.num_cpus or 1)
+        cores = min(logical, float(os.cpu_count() or 1))
         results.append({"steps": steps, "run_s": wall, "workers": workers,
                         "threads_per_worker": cpu_threads_per_worker(cores, workers),
                         "driver_torch_threads": torch.get_num_threads(), **mem.stop()})
-    ray.shutdown()
+        results[-1]["single_process"] = bool(cfg.trainer.single_process)
+    if use_ray:
+        ray.shutdown()
     Path(out_path).write_text(json.dumps({"runs": results, "ray_start_s": t_ray,
                                           "total_s": time.perf_counter() - t0}))
 
@@ -392,8 +399,11 @@ def run_ours_many(specs: list[dict], tmp: Path, tag: str, timeout: float = 1800)
     d.mkdir(parents=True, exist_ok=True)
     specs = [dict(s, out_dir=str(d / f"run{i}")) for i, s in enumerate(specs)]
     (d / "spec.json").write_text(json.dumps(specs))
+    from verl_arpo.utils.threads import cpu_thread_env
+
+    # the environment `python -m verl_arpo.trainer.main_ppo` gives its own process (main_ppo.main)
     res = run_child([PY, str(Path(__file__)), "ours", str(d / "spec.json"), str(d / "out.json")], timeout,
-                    log=d / "log.txt")
+                    log=d / "log.txt", env=cpu_thread_env())
     if res["rc"] != 0 or not (d / "out.json").exists():
         raise RuntimeError(f"our trainer run {tag} failed (rc={res['rc']}):\n{tail(d / 'log.txt')}")
     out = json.loads((d / "out.json").read_text())

@@ -165,7 +165,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
     p.add_argument("--reps", type=int, default=2, help="runs of each trainer, interleaved")
     p.add_argument("--workers", default="2",
-                   help="our Ray worker processes; a list (1,2) runs each as a variant, the first is 'ours'")
+                   help="our Ray worker processes, or 1p: one worker in the driver's process (trainer.single_process, "
+                        "no Ray); a list (1p,2) runs each as a variant, the first is 'ours'")
     p.add_argument("--trl_threads", default=f"{os.cpu_count() or 1},1",
                    help="TRL variants by torch threads (0 = torch default); the one with as many threads as "
                         "cores (the cores ours uses) is the baseline")
@@ -189,7 +190,11 @@ def main(argv=None):
     tmp = tmpdir("bench_trl_")
     spec = grpo_spec(tmp, a.model, a.prompts, a.n, a.response_length, a.steps, micro=a.micro)
     spec["extra_overrides"] = list(spec.get("extra_overrides", [])) + list(a.ours_override)
-    ours_variants = [int(w) for w in str(a.workers).split(",")]
+    ours_variants = [w.strip() for w in str(a.workers).split(",")]
+    bad = [w for w in ours_variants if not (w.isdigit() and int(w) >= 1) and w != "1p"]
+    if bad:
+        p.error(f"--workers {a.workers}: each entry is a number of Ray workers >= 1, or 1p (one worker in the "
+                f"driver's process); not {bad}")
     ok, why = trl_status()
     variants = [int(x) for x in a.trl_threads.split(",")]   # TRL torch threads; 0 = torch's default
     sides = [f"ours_w{w}" for w in ours_variants] + [f"trl{v}" for v in variants]
@@ -198,7 +203,9 @@ def main(argv=None):
     for rep in range(a.reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):   # interleaved: ours, trl1, trl0, trl0, trl1, ours, ...
             if side.startswith("ours"):
-                runs[side].append(run_ours(dict(spec, workers=int(side[6:])), tmp, f"{side}_r{rep}"))
+                w = side[6:]
+                runs[side].append(run_ours(dict(spec, workers=int(w.rstrip("p")), single_process=w.endswith("p")),
+                                           tmp, f"{side}_r{rep}"))
             elif ok:
                 try:
                     runs[side].append(run_trl(dict(spec, trl_threads=int(side[3:])), tmp, f"{side}_r{rep}"))
@@ -235,10 +242,12 @@ def main(argv=None):
     t = trl[best] if best else None
     drop = ("per_run",)
     def ours_label(side):
-        w = int(side[6:])
+        w = side[6:]
         threads = (runs[side][0].get("threads_per_worker") if runs[side] else None) or 1
         extra = f", {' '.join(o.rsplit('.', 1)[-1] for o in a.ours_override)}" if a.ours_override else ""
-        return f"verl_arpo ({w} Ray worker{'s' if w > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}{extra})"
+        where = ("1 worker in the driver's process, no Ray" if w.endswith("p")
+                 else f"{w} Ray worker{'s' if int(w) > 1 else ''}")
+        return f"verl_arpo ({where} x {threads} thread{'s' if threads > 1 else ''}{extra})"
 
     table = [{"trainer": ours_label(main_side), **{k: v for k, v in o.items() if k not in drop}}]
     table += [{"trainer": ours_label(s) + " (variant)", **{k: x for k, x in v.items() if k not in drop}}

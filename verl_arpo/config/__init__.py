@@ -292,6 +292,8 @@ class JobConfig:
                         "set: the importance weights need the engine's log-probs"))
         if self.algorithm.adv_estimator == "gae":
             out += self.critic.gae_problems("critic")
+        if t.single_process:
+            out += _single_process_problems(self.ray_init)
         if t.device == "cuda" and not self.ray_init.address:
             # a local cluster is this machine; a remote one is checked against its resources after Ray is up
             import torch
@@ -300,6 +302,21 @@ class JobConfig:
                 out.append(("trainer.device", "cuda requested but no CUDA device is visible: use trainer.device=cpu "
                             "or auto"))
         return out
+
+
+def _single_process_problems(ray_init: RayInitConfig) -> Problems:
+    """trainer.single_process starts no Ray: a ray_init setting it would not honour is an error (its
+    env_vars are set in the driver's environment instead, and num_cpus caps the worker's threads)."""
+    out: Problems = []
+    fix = "with trainer.single_process=true no Ray cluster is started or joined: "
+    if ray_init.address:
+        out.append(("ray_init.address", fix + "unset it, or set trainer.single_process=false"))
+    if ray_init.include_dashboard:
+        out.append(("ray_init.include_dashboard", fix + "set it to false"))
+    other = sorted(k for k in (ray_init.runtime_env or {}) if k != "env_vars")
+    if other:
+        out.append(("ray_init.runtime_env", fix + f"only env_vars applies (to this process); remove {other}"))
+    return out
 
 
 RegisteredNames = Mapping[str, tuple[Collection[str], str]]

@@ -220,6 +220,9 @@ class TrainerConfig:
     seed: int = 0
     max_consecutive_skipped_steps: int = 3
     worker_call_timeout: float | None = 7200.0
+    single_process: bool = False
+    """Run the one worker in the driver's process, without Ray (docs/performance.md, "One process on a
+    laptop"): nnodes = n_gpus_per_node = 1 and no ray_init cluster settings."""
     preemption_grace_s: float | None = 30.0
     val_only: bool = False
     force_resume: bool = False
@@ -257,4 +260,8 @@ class TrainerConfig:
         if self.n_gpus_per_node < 1:
             out.append((f"{where}.n_gpus_per_node", "must be an integer >= 1 (workers per node: GPUs, or CPU "
                         "processes)"))
+        if self.single_process and (self.nnodes != 1 or self.n_gpus_per_node != 1):
+            out.append((f"{where}.single_process", f"runs one worker in the driver's process, but nnodes="
+                        f"{self.nnodes} x n_gpus_per_node={self.n_gpus_per_node} asks for more: set "
+                        "trainer.nnodes=1 trainer.n_gpus_per_node=1, or trainer.single_process=false (Ray workers)"))
         return out

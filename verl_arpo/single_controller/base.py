@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -52,12 +53,11 @@ def _env_int(name: str) -> int:
 def node_ip_address() -> str:
     """This node's IP as Ray sees it (the address other nodes reach it at); without Ray, the
     address the host name resolves to, else ``127.0.0.1``."""
+    ray = sys.modules.get("ray")   # a process that never imported Ray (trainer.single_process) is not in a cluster
     try:
-        import ray
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             return ray.util.get_node_ip_address()
-    except Exception:  # ray missing or not connected: fall through
+    except Exception:  # not connected: fall through
         pass
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -221,9 +221,8 @@ class Worker:
             "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         }
         try:
-            import ray
-
-            if ray.is_initialized():
+            ray = sys.modules.get("ray")
+            if ray is not None and ray.is_initialized():
                 ctx = ray.get_runtime_context()
                 info["node_id"] = ctx.get_node_id()
                 info["placement_group_id"] = ctx.get_placement_group_id()

@@ -51,7 +51,8 @@ from typing import Any
 # verl_arpo.protocol (torch, tensordict) is imported where DataProto is needed, not here: a worker
 # process unpickling a registered method's tag then does not pay for it.
 
-__all__ = ["CallPlan", "Dispatch", "DISPATCH_ATTR", "MethodSpec", "get_method_spec", "plan_call", "register"]
+__all__ = ["CallPlan", "Dispatch", "DISPATCH_ATTR", "MethodSpec", "get_method_spec", "plan_call", "register",
+           "registered_methods"]
 
 DISPATCH_ATTR = "__verl_arpo_dispatch__"
 
@@ -110,6 +111,21 @@ def get_method_spec(obj: Any) -> MethodSpec | None:
     """The :class:`MethodSpec` stored by ``@register`` on ``obj`` (a function or method), or ``None``."""
     spec = getattr(obj, DISPATCH_ATTR, None)
     return spec if isinstance(spec, MethodSpec) else None
+
+
+def registered_methods(worker_cls: type, group: Any) -> list[tuple[str, MethodSpec]]:
+    """(name, spec) of every ``@register``-ed method of ``worker_cls``, for ``group`` to bind; a name
+    the group itself already has is an error (the group's own method would be shadowed)."""
+    out = []
+    for name in dir(worker_cls):
+        spec = get_method_spec(getattr(worker_cls, name, None))
+        if spec is None:
+            continue
+        if name in vars(group) or hasattr(type(group), name):
+            raise ValueError(f"{worker_cls.__name__}.{name}: a registered method cannot shadow "
+                             f"{type(group).__name__}.{name}")
+        out.append((name, spec))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

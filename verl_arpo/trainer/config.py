@@ -22,6 +22,7 @@ Secret masking lives in verl_arpo/utils/secrets.py (re-exported here).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,9 @@ def validate_config(cfg: Any, on_typed: Callable[[JobConfig], None] | None = Non
 def cluster_gpus() -> int:
     """GPUs the workers can get: the Ray cluster's GPU resources once Ray is up (a CPU-only head node
     of a GPU cluster must still give GPU workers), else this machine's CUDA devices."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return int(ray.cluster_resources().get("GPU", 0))
-    except ImportError:  # pragma: no cover - ray is a hard dependency
-        pass
+    ray = sys.modules.get("ray")   # not imported: no cluster to ask (trainer.single_process)
+    if ray is not None and ray.is_initialized():
+        return int(ray.cluster_resources().get("GPU", 0))
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -134,7 +134,8 @@ def config_summary(job: JobConfig, full: Path | None) -> str:
         f"rollout   {r.name} engine, n={r.n}, temperature {r.temperature}, "
         f"prompt/response tokens {d.max_prompt_length}/{d.max_response_length}",
         f"data      train {d.train_files} ({d.train_batch_size} prompts/step), val {d.val_files}",
-        f"run       {t.nnodes} node(s) x {t.n_gpus_per_node} workers on {t.device}, steps "
+        f"run       {t.nnodes} node(s) x {t.n_gpus_per_node} workers on {t.device}"
+        f"{' in this process (single_process)' if t.single_process else ''}, steps "
         f"{t.total_training_steps or 'all epochs'} ({t.total_epochs} epoch(s)), save_freq {t.save_freq}, "
         f"test_freq {t.test_freq}, logger {t.loggers}",
         f"output    {t.default_local_dir}",
@@ -148,6 +149,10 @@ def run(cfg: DictConfig) -> Any:
     started. The full masked config goes to a file (Hydra's run dir), not to the console."""
     full = save_masked_config(cfg)
     job = validate_config(cfg, on_typed=lambda typed: print(config_summary(typed, full), flush=True))
+    if job.trainer.single_process:   # the worker lives in this process (single_controller/local.py): no Ray
+        os.environ.update(job.ray_init.worker_env.public)    # what a Ray worker's runtime_env would set
+        os.environ.update(job.ray_init.worker_env.secrets)
+        return load_run_ppo()(job)
     own_session = not job.ray_init.address and "ray" not in sys.modules
     if own_session:
         # the head init_ray starts (`ray start`) turns token authentication on, and a driver joining a
@@ -167,7 +172,10 @@ def main() -> None:
     """The command line (`python -m verl_arpo.trainer.main_ppo`, `verl-arpo-train`): Hydra, with every
     printing form masked and unknown keys named before anything starts (trainer/config_cli.py)."""
     from verl_arpo.trainer import config_cli
+    from verl_arpo.utils.threads import cpu_thread_env
 
+    # before torch loads (libgomp reads it then): this process computes with trainer.single_process
+    os.environ.update(cpu_thread_env())
     argv = sys.argv[1:]
     cli = config_cli.parse_cli(argv, CONFIG_DIR)
     try:

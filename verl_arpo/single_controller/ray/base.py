@@ -57,7 +57,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verl_arpo.single_controller.base import GROUP_HOSTS_ENV, Worker, find_master_addr_port
-from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, get_method_spec, plan_call
+from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, plan_call, registered_methods
 from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
 from verl_arpo.utils.threads import cpu_thread_env
 
@@ -258,12 +258,7 @@ class RayWorkerGroup:
         return infos
 
     def _bind_registered_methods(self) -> None:
-        for name in dir(self.worker_cls):
-            spec = get_method_spec(getattr(self.worker_cls, name, None))
-            if spec is None:
-                continue
-            if name in vars(self) or hasattr(type(self), name):
-                raise ValueError(f"{self.worker_cls.__name__}.{name}: a registered method cannot shadow RayWorkerGroup.{name}")
+        for name, spec in registered_methods(self.worker_cls, self):
             setattr(self, name, self._make_group_method(name, spec))
 
     def _make_group_method(self, name: str, spec: MethodSpec) -> Callable:

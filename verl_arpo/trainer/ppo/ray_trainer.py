@@ -72,14 +72,17 @@ def cpu_threads_per_worker(node_cpus: float, workers_per_node: int) -> int:
     return max(1, int(node_cpus) // max(1, workers_per_node))
 
 
+def _machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _node_cpus(nnodes: int) -> float:
     """Cores a node can give its workers: Ray's logical CPUs per node, but never more than this
     machine's cores (a test cluster may declare 8 logical CPUs on 2 cores)."""
     import ray
 
     logical = float(ray.cluster_resources().get("CPU", 1)) / max(1, nnodes)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(logical, float(cores))
+    return min(logical, float(_machine_cores()))
 
 
 def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, lam: float = 1.0,
@@ -140,11 +143,41 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ workers
     def init_workers(self):
         self.run_dir.acquire_lock()
+        from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+        cfg = self.config
+        make_group = self._local_group_factory() if cfg.trainer.single_process else self._ray_group_factory()
+        self.actor_rollout_wg = make_group(ActorRolloutRefWorker, "actor_rollout_ref", config=cfg.actor_rollout_ref,
+                                           derived=cfg.derived, role="actor_rollout_ref")
+        # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
+        # tools read their keys when they are built
+        secrets = cfg.ray_init.worker_env.secrets
+        if secrets:
+            self.actor_rollout_wg.execute_all("set_environment", secrets)
+        self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.seed))
+        infos = self.actor_rollout_wg.execute_all("get_node_info")  # after init_model: the process group exists
+        print("[verl_arpo] worker ranks on nodes: " + ", ".join(
+            f"rank {i['rank']} on {i['ip']} (pid {i['pid']}, GLOO_SOCKET_IFNAME={i.get('gloo_socket_ifname') or '-'})"
+            for i in infos) + f"; MASTER_ADDR={infos[0]['master_addr']}:{infos[0]['master_port']}"
+            + (" (in the driver's process: trainer.single_process)" if cfg.trainer.single_process else ""), flush=True)
+        if self.use_critic:
+            self.critic_wg = make_group(CriticWorker, "critic", config=cfg.critic, derived=cfg.derived,
+                                        seed=int(cfg.trainer.seed))
+            if secrets:
+                self.critic_wg.execute_all("set_environment", secrets)
+            self.critic_wg.init_model(self.total_training_steps)
+
+    def _call_timeout(self) -> float | None:
+        t = self.config.trainer.worker_call_timeout
+        return float(t) if t else None
+
+    def _ray_group_factory(self):
+        """`make_group(worker_cls, name_prefix, **init_kwargs)` for Ray actors: one per slot of a placement
+        group sized by trainer.nnodes × n_gpus_per_node (a critic shares each slot with the actor)."""
         from verl_arpo.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl_arpo.single_controller.ray.resource_pool import ClusterTooSmallError
         from verl_arpo.config import ConfigError
         from verl_arpo.utils.device import cuda_worker_env
-        from verl_arpo.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
         use_gpu = self.device == "cuda"
@@ -163,30 +196,34 @@ class RayPPOTrainer:
                                f"{len(nodes)}: the cluster cannot hold {exc.workers_per_node} workers on each of "
                                f"{exc.nodes_needed} node(s) (each needs {exc.per_node}; its nodes have {exc.nodes} "
                                f"{unit}); set {fix}")]) from None
-        timeout = float(cfg.trainer.worker_call_timeout) if cfg.trainer.worker_call_timeout else None
         env = cuda_worker_env(cfg.ray_init.worker_env.public) if use_gpu else {}
-        self.actor_rollout_wg = RayWorkerGroup(
-            self.resource_pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
-                                                     derived=cfg.derived, role="actor_rollout_ref"),
-            name_prefix="actor_rollout_ref", call_timeout=timeout, env_vars=env)
-        # the credentials init_ray kept out of Ray's (logged) runtime_env; before init_model: the
-        # tools read their keys when they are built
-        secrets = cfg.ray_init.worker_env.secrets
-        if secrets:
-            self.actor_rollout_wg.execute_all("set_environment", secrets)
-        self.actor_rollout_wg.init_model(self.total_training_steps, self.use_reference_policy, int(cfg.trainer.seed))
-        infos = self.actor_rollout_wg.execute_all("get_node_info")  # after init_model: the process group exists
-        print("[verl_arpo] worker ranks on nodes: " + ", ".join(
-            f"rank {i['rank']} on {i['ip']} (pid {i['pid']}, GLOO_SOCKET_IFNAME={i.get('gloo_socket_ifname') or '-'})"
-            for i in infos) + f"; MASTER_ADDR={infos[0]['master_addr']}:{infos[0]['master_port']}", flush=True)
-        if self.use_critic:
-            self.critic_wg = RayWorkerGroup(self.resource_pool,
-                                            RayClassWithInitArgs(CriticWorker, config=cfg.critic, derived=cfg.derived,
-                                                                 seed=int(cfg.trainer.seed)),
-                                            name_prefix="critic", call_timeout=timeout, env_vars=env)
-            if secrets:
-                self.critic_wg.execute_all("set_environment", secrets)
-            self.critic_wg.init_model(self.total_training_steps)
+
+        def make_group(worker_cls, name_prefix, **init_kwargs):
+            return RayWorkerGroup(self.resource_pool, RayClassWithInitArgs(worker_cls, **init_kwargs),
+                                  name_prefix=name_prefix, call_timeout=self._call_timeout(), env_vars=env)
+        return make_group
+
+    def _local_group_factory(self):
+        """`make_group(worker_cls, name_prefix, **init_kwargs)` for trainer.single_process: the worker in
+        this process (single_controller/local.py), with what a Ray worker would get: ray_init's env_vars in
+        the environment, and on a CPU all the cores Ray would give it as torch threads (capped by
+        ray_init.num_cpus, and by OMP_NUM_THREADS when env_vars sets it)."""
+        from verl_arpo.single_controller.local import LocalWorkerGroup
+        from verl_arpo.utils.device import cuda_worker_env
+
+        cfg = self.config
+        public = dict(cfg.ray_init.worker_env.public)
+        env = {**public, **cuda_worker_env(public)} if self.device == "cuda" else public
+        threads = None
+        if self.device != "cuda":
+            threads = cpu_threads_per_worker(min(cfg.ray_init.num_cpus or _machine_cores(), _machine_cores()), 1)
+            if str(env.get("OMP_NUM_THREADS", "")).isdigit():
+                threads = int(env["OMP_NUM_THREADS"])
+
+        def make_group(worker_cls, name_prefix, **init_kwargs):
+            return LocalWorkerGroup(worker_cls, name_prefix=name_prefix, env_vars=env,
+                                    call_timeout=self._call_timeout(), num_threads=threads, **init_kwargs)
+        return make_group
 
     def shutdown(self):
         """Kill the worker actors, release the placement groups (a driver may train again) and the run lock."""
