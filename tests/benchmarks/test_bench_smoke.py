@@ -127,7 +127,7 @@ def test_run_all_script_parses():
 
 # ------------------------------------------------------------------------------------------ slow
 SMOKES = {
-    "trainer_vs_trl": ["bench_trainer_vs_trl.py", "--smoke",
+    "trainer_vs_trl": ["bench_trainer_vs_trl.py", "--smoke", "--workers", "1p,2",
                        "--ours_override", "actor_rollout_ref.model.use_remove_padding=true",
                        "--ours_override", "actor_rollout_ref.model.use_prefix_sharing=true"],
     "on_policy_skip": ["bench_on_policy_skip.py", "--reps", "1", "--steps", "2", "--response_length", "32"],
@@ -163,6 +163,10 @@ def test_benchmark_smoke_writes_valid_json(name, tmp_path):
         assert data["trl_available"], data["trl_status"]
         ours, trl = data["ours"], data["trl"][data["baseline"]]
         assert abs(ours["tokens_per_step"] - trl["tokens_per_step"]) <= 0.1 * ours["tokens_per_step"]
+        # 'ours' is the first layout (one worker in the driver's process), the 2 Ray workers a variant
+        assert [r["single_process"] for r in data["ours_runs"]["ours_w1p"]] == [True]
+        assert [r["single_process"] for r in data["ours_runs"]["ours_w2"]] == [False]
+        assert "no Ray" in data["summary"][0]["ours_config"] and set(data["ours_variants"]) == {"ours_w2"}
 
 
 @pytest.mark.slow

@@ -459,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from verl_arpo.utils.threads import cpu_thread_env
+
+    os.environ.update(cpu_thread_env())   # before torch loads: threads that sleep while they wait
     args = build_parser().parse_args(argv)
     if args.k < 1:
         raise SystemExit("--k must be >= 1")
