@@ -51,8 +51,8 @@ from typing import Any
 # verl_arpo.protocol (torch, tensordict) is imported where DataProto is needed, not here: a worker
 # process unpickling a registered method's tag then does not pay for it.
 
-__all__ = ["CallPlan", "Dispatch", "DISPATCH_ATTR", "MethodSpec", "get_method_spec", "plan_call", "register",
-           "registered_methods"]
+__all__ = ["CallPlan", "Dispatch", "DISPATCH_ATTR", "MethodSpec", "bind_group_methods", "get_method_spec", "plan_call",
+           "register"]
 
 DISPATCH_ATTR = "__verl_arpo_dispatch__"
 
@@ -113,10 +113,11 @@ def get_method_spec(obj: Any) -> MethodSpec | None:
     return spec if isinstance(spec, MethodSpec) else None
 
 
-def registered_methods(worker_cls: type, group: Any) -> list[tuple[str, MethodSpec]]:
-    """(name, spec) of every ``@register``-ed method of ``worker_cls``, for ``group`` to bind; a name
-    the group itself already has is an error (the group's own method would be shadowed)."""
-    out = []
+def bind_group_methods(group: Any, worker_cls: type, run: Callable[[str, MethodSpec, CallPlan], Any]) -> None:
+    """Make every ``@register``-ed method of ``worker_cls`` a method of ``group``: ``group.name(*args)``
+    plans the call at ``group.world_size`` (:func:`plan_call`) and returns ``run(name, spec, plan)``,
+    which runs and collects it (Ray actors, or the worker in this process). A name the group itself
+    already has is an error: the group's own method would be shadowed."""
     for name in dir(worker_cls):
         spec = get_method_spec(getattr(worker_cls, name, None))
         if spec is None:
@@ -124,8 +125,17 @@ def registered_methods(worker_cls: type, group: Any) -> list[tuple[str, MethodSp
         if name in vars(group) or hasattr(type(group), name):
             raise ValueError(f"{worker_cls.__name__}.{name}: a registered method cannot shadow "
                              f"{type(group).__name__}.{name}")
-        out.append((name, spec))
-    return out
+        setattr(group, name, _group_method(group, worker_cls, name, spec, run))
+
+
+def _group_method(group: Any, worker_cls: type, name: str, spec: MethodSpec, run: Callable) -> Callable:
+    def group_method(*args: Any, **kwargs: Any) -> Any:
+        return run(name, spec, plan_call(spec.dispatch_mode, group.world_size, args, kwargs))
+
+    group_method.__name__ = name
+    group_method.__qualname__ = f"{type(group).__name__}.{name}"
+    group_method.__doc__ = f"[{spec.dispatch_mode.name}] {getattr(worker_cls, name).__doc__ or ''}"
+    return group_method
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,11 +31,10 @@ import faulthandler
 import os
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from verl_arpo.single_controller.base import Worker, find_free_port
-from verl_arpo.single_controller.decorator import MethodSpec, plan_call, registered_methods
+from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, bind_group_methods, plan_call
 
 __all__ = ["LocalWorkerGroup", "TIMEOUT_EXIT_CODE"]
 
@@ -110,7 +109,7 @@ class LocalWorkerGroup:
         self.worker_cls = worker_cls
         self.name_prefix = name_prefix or worker_cls.__name__
         self.call_timeout = call_timeout
-        self._bind_registered_methods()   # before the environment changes: a name clash leaves nothing behind
+        bind_group_methods(self, worker_cls, self._run_call)   # before the environment changes: a clash leaves nothing
         self._saved_env = {k: os.environ.get(k) for k in (*_RANK_ENV, *(env_vars or {}))}
         master_port = os.environ.get("MASTER_PORT") if os.environ.get("WORLD_SIZE") == "1" else None
         os.environ.update({str(k): str(v) for k, v in (env_vars or {}).items()})
@@ -133,21 +132,11 @@ class LocalWorkerGroup:
         """The worker instance (index = rank), for a debugger."""
         return [self._worker] if self._worker is not None else []
 
-    def _bind_registered_methods(self) -> None:
-        for name, spec in registered_methods(self.worker_cls, self):
-            setattr(self, name, self._make_group_method(name, spec))
+    def _run_call(self, name: str, spec: MethodSpec, plan: CallPlan) -> Any:
+        result = plan.collect(self._call(name, plan))
+        return result if spec.blocking else _DoneCall(result)
 
-    def _make_group_method(self, name: str, spec: MethodSpec) -> Callable:
-        def group_method(*args: Any, **kwargs: Any) -> Any:
-            plan = plan_call(spec.dispatch_mode, self.world_size, args, kwargs)
-            result = plan.collect(self._call(name, plan))
-            return result if spec.blocking else _DoneCall(result)
-
-        group_method.__name__ = name
-        group_method.__doc__ = f"[{spec.dispatch_mode.name}] {getattr(self.worker_cls, name).__doc__ or ''}"
-        return group_method
-
-    def _call(self, method: str, plan: Any) -> list:
+    def _call(self, method: str, plan: CallPlan) -> list:
         if self._worker is None:
             raise RuntimeError(f"group {self.name_prefix!r} is shut down; cannot call {method}")
         outputs = []

@@ -49,7 +49,6 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -57,7 +56,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verl_arpo.single_controller.base import GROUP_HOSTS_ENV, Worker, find_master_addr_port
-from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, plan_call, registered_methods
+from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, bind_group_methods, plan_call
 from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
 from verl_arpo.utils.threads import cpu_thread_env
 
@@ -158,7 +157,7 @@ class RayWorkerGroup:
         self.node_infos: list[dict] = []
         self.master_address: str | None = None
         self.master_port: int | None = None
-        self._bind_registered_methods()  # before any actor exists: a name clash costs nothing
+        bind_group_methods(self, self.worker_cls, self._run_call)  # before any actor exists: a name clash costs nothing
         try:
             self._create_actors(init_timeout)
         except BaseException:
@@ -257,23 +256,12 @@ class RayWorkerGroup:
             infos.append({"rank": rank, "ip": ips.get(node_id, "?"), "node_id": node_id})
         return infos
 
-    def _bind_registered_methods(self) -> None:
-        for name, spec in registered_methods(self.worker_cls, self):
-            setattr(self, name, self._make_group_method(name, spec))
-
-    def _make_group_method(self, name: str, spec: MethodSpec) -> Callable:
-        def group_method(*args: Any, **kwargs: Any) -> Any:
-            plan = plan_call(spec.dispatch_mode, self.world_size, args, kwargs)
-            refs = self._submit(name, plan)
-            if not spec.blocking:
-                return PendingCall(self, name, plan, refs)
-            return plan.collect(self._wait(name, plan.ranks, refs))
-
-        original = getattr(self.worker_cls, name)
-        group_method.__name__ = name
-        group_method.__qualname__ = f"{type(self).__name__}.{name}"
-        group_method.__doc__ = f"[{spec.dispatch_mode.name}] {original.__doc__ or ''}"
-        return group_method
+    def _run_call(self, name: str, spec: MethodSpec, plan: CallPlan) -> Any:
+        """Submit a planned call to the ranks; wait and collect, or return a PendingCall (blocking=False)."""
+        refs = self._submit(name, plan)
+        if not spec.blocking:
+            return PendingCall(self, name, plan, refs)
+        return plan.collect(self._wait(name, plan.ranks, refs))
 
     # -- calling -----------------------------------------------------------------------------------
 
