@@ -76,6 +76,15 @@ _HEAD: LocalRayHead | None = None
 """The head `init_ray(own_session=True)` started; `shutdown_ray` stops it."""
 
 
+def set_driver_env(job: JobConfig) -> None:
+    """The driver's own environment, with or without Ray: DEFAULT_RAY_ENV where unset, and the
+    credentials of ray_init.runtime_env.env_vars (its reward functions may read them). The other
+    env_vars go to the workers (Ray's runtime_env, or LocalWorkerGroup's env_vars)."""
+    for key, value in DEFAULT_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.update(job.ray_init.worker_env.secrets)
+
+
 def init_ray(job: JobConfig, own_session: bool = False) -> bool:
     """Start a local Ray cluster, or join `ray_init.address`. Returns True when this call started Ray.
     With `own_session` (the command line) a local cluster is a `ray start` head in its own session,
@@ -85,16 +94,13 @@ def init_ray(job: JobConfig, own_session: bool = False) -> bool:
 
     if ray.is_initialized():
         return False
-    for key, value in DEFAULT_RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    set_driver_env(job)
     ray_cfg = job.ray_init
     runtime_env = dict(ray_cfg.runtime_env or {})  # free-form: Ray's runtime_env fields
     # Ray's runtime-env agent writes the whole runtime_env into its log: credentials stay out of it.
     # The driver keeps them in its environment (its reward functions), and the trainer hands them to
     # every worker with a method call before the workers build anything (RayPPOTrainer.init_workers)
-    public, secrets = ray_cfg.worker_env
-    os.environ.update(secrets)
-    runtime_env["env_vars"] = dict(public)
+    runtime_env["env_vars"] = dict(ray_cfg.worker_env.public)
     if ray_cfg.address:
         ray.init(address=str(ray_cfg.address), runtime_env=runtime_env)
     elif own_session:
@@ -150,8 +156,7 @@ def run(cfg: DictConfig) -> Any:
     full = save_masked_config(cfg)
     job = validate_config(cfg, on_typed=lambda typed: print(config_summary(typed, full), flush=True))
     if job.trainer.single_process:   # the worker lives in this process (single_controller/local.py): no Ray
-        os.environ.update(job.ray_init.worker_env.public)    # what a Ray worker's runtime_env would set
-        os.environ.update(job.ray_init.worker_env.secrets)
+        set_driver_env(job)
         return load_run_ppo()(job)
     own_session = not job.ray_init.address and "ray" not in sys.modules
     if own_session:
