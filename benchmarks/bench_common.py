@@ -55,8 +55,23 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags a CPU timing depends on (fp32 AVX2 vs native bf16), from /proc/cpuinfo."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "load_avg": list(os.getloadavg()),
+    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "load_avg": list(os.getloadavg()),
             "kernel": platform.release(), "versions": versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

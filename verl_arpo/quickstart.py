@@ -94,24 +94,29 @@ so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue
 searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
 gained at each of 4 (docs/reports/2026-11-26-quickstart-rl-gain-across-seeds.md, "Twice the SFT
 steps")."""
-SMOKE = {"questions": 6, "response_length": 64, "sft_steps": 2, "sft_batch_size": 2, "rl_steps": 2,
-         "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=64",
+SMOKE = {"questions": 6, "response_length": 40, "sft_steps": 2, "sft_batch_size": 1, "rl_steps": 2,
+         "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=40",
                           "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.initial_rollouts=1",
-                          "actor_rollout_ref.actor.ppo_mini_batch_size=3"]}
+                          "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                          "trainer.n_gpus_per_node=1", "trainer.single_process=true"]}
 """`--smoke`: every stage and entry point of the full run, each at a small per-step shape, so the whole
-pipeline runs in minutes (issue 47: the full run's per-step work with fewer steps took over 10). Per
-step: SFT on 2 conversations (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 64 tokens (288);
-the evaluations answer 6 questions with up to 64 tokens (150 or 600, 288). A plumbing check: its
-accuracies say nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), and the
-second RL step generates with the weights the first one synced."""
+pipeline runs in about 3 minutes (issue 47: the full run's per-step work with fewer steps took over 10).
+Per step: SFT on 1 conversation (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 40 tokens
+(288); the evaluations answer 6 questions with up to 40 tokens (150 or 600, 288). The RL stage runs its
+one worker in the driver's process (`trainer.single_process`, no Ray: ~25 s less start-up; the full run
+uses 2 Ray workers) and checkpoints once, at its last step. A plumbing check: its accuracies say
+nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool call is made and
+answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
     ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
     ("bf16", False): {"eval base": 90, "sft": 541, "eval sft": 300, "rl": 752, "merge": 15, "eval rl": 300},
-    ("fp32", True): {"eval base": 27, "sft": 27, "eval sft": 29, "rl": 155, "merge": 11, "eval rl": 31},
-    ("bf16", True): {"eval base": 22, "sft": 20, "eval sft": 24, "rl": 120, "merge": 11, "eval rl": 25},
+    ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
+    ("bf16", True): {"eval base": 17, "sft": 15, "eval sft": 17, "rl": 58, "merge": 9, "eval rl": 18},
 }
 """Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
-(precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`)."""
+(precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The bf16
+smoke row is the fp32 smoke's measurement scaled by the older bf16/fp32 smoke ratio (no bf16 machine
+measured the current smoke shape)."""
 
 
 def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:
@@ -176,11 +181,13 @@ def train_sft(base: Path, sft_dir: Path, record: dict, log: Path, env: dict) -> 
 
 
 def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: Path, tiny: bool = False,
-               overrides: list[str] | tuple[str, ...] = (), precision: str = "bf16") -> list[str]:
-    """main_ppo on configs/quickstart.yaml from the SFT model; `overrides` (Hydra KEY=VALUE) come last."""
+               overrides: list[str] | tuple[str, ...] = (), precision: str = "bf16",
+               save_freq: int | None = None) -> list[str]:
+    """main_ppo on configs/quickstart.yaml from the SFT model; `overrides` (Hydra KEY=VALUE) come last.
+    Checkpoints every `save_freq` steps (default: halfway and at the end, a point to resume from)."""
     return [PY, "-m", "verl_arpo.trainer.main_ppo", "--config-name=quickstart",
             f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={rl_root}",
-            f"trainer.total_training_steps={steps}", f"trainer.save_freq={max(1, steps // 2)}",
+            f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq or max(1, steps // 2)}",
             f"trainer.rollout_data_dir={rl_root / 'rollout'}",
             f"actor_rollout_ref.rollout.tools.tool_instances.search.params.cache_file={cache_file}",
             f"hydra.run.dir={rl_root / 'hydra'}", *ALGO_OVERRIDES[algo],
@@ -438,7 +445,7 @@ class Quickstart:
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
             cmd = rl_command(sft_dir, rl_root, self.rl_steps, self.a.algo, self.out / "search_cache.sqlite",
                              self.a.tiny, [*(SMOKE["rl_overrides"] if self.a.smoke else []), *self.a.overrides],
-                             self.precision)
+                             self.precision, save_freq=self.rl_steps if self.a.smoke else None)
             before = self.times.get("rl", 0.0) if resumed else 0.0
             try:
                 run_logged(cmd, self.logs / "rl.log", self.env, append=resumed)

@@ -66,6 +66,12 @@ from verl_arpo.workers.rollout.engines.base import (
 from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousScheduler
 from verl_arpo.workers.rollout.engines.hf_requests import KV, Batch, Row, StopChecker, row_output
 from verl_arpo.workers.rollout.engines.hf_weights import EngineWeights
+from verl_arpo.workers.rollout.engines.kv_room import (
+    ROOM,
+    PreallocatedLayer,
+    preallocated_cache,
+    select_cache_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,8 @@ class HFEngine(EngineWeights, InferenceEngine):
         max_cached_tokens: cap on tokens kept in the KV store; the least recently stored
             trajectories are evicted first (None = no cap; the rollout loop calls `release`).
         seed: seed of the generator used by requests without their own seed.
+        kv_room: spare positions the decode cache sets aside per allocation (kv_room.py); 0
+            concatenates at every step as transformers' `DynamicLayer` does (for comparisons).
         share_prefix: encode the prefix that the fresh prompts of one call share once.
 
     A module shared with the trainer (no copy) changes under the engine at every optimizer step:
@@ -104,7 +112,8 @@ class HFEngine(EngineWeights, InferenceEngine):
     def __init__(self, model_or_path, tokenizer=None, dtype: str = "float32", device=None,
                  attn_implementation: str | None = None, max_batch_size: int = 64,
                  kv_cache: bool = True, max_prefill_tokens: int = 16384,
-                 max_cached_tokens: int | None = None, seed: int = 0, share_prefix: bool = True):
+                 max_cached_tokens: int | None = None, seed: int = 0, share_prefix: bool = True,
+                 kv_room: int = ROOM):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,6 +148,7 @@ class HFEngine(EngineWeights, InferenceEngine):
         self._asleep = False
         self._discarded: dict[torch.nn.Parameter, torch.Size] = {}   # freed by discard_weights
         self.reuse_kv = bool(kv_cache)
+        self.kv_room = max(0, int(kv_room))
         self.share_prefix = bool(share_prefix)
         if kv_cache and (why := _why_no_kv_reuse(self.model)):
             logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
@@ -273,7 +283,7 @@ class HFEngine(EngineWeights, InferenceEngine):
                 r.kv = self._extract(b, i, r.req.prompt_ids)
                 parts[id(r)] = lg[i]
         logits = torch.stack([parts[id(r)] for r in rows])
-        cache, mask = self._assemble([r.kv for r in rows])
+        cache, mask = self._assemble([r.kv for r in rows], 0, self._room(rows))
         batch = Batch(rows, cache, mask, torch.tensor([len(r.kv.tokens) for r in rows],
                                                        device=self.device))
         for r in rows:
@@ -339,8 +349,8 @@ class HFEngine(EngineWeights, InferenceEngine):
     # ------------------------------------------------------------------ tensors
 
     def _prefill(self, rows: list[Row]) -> tuple[Batch, torch.Tensor]:
-        cache, past_mask = self._assemble([r.past for r in rows])
         S = max(len(r.suffix) for r in rows)
+        cache, past_mask = self._assemble([r.past for r in rows], S, self._room(rows))
         ids = torch.full((len(rows), S), self.pad_id, dtype=torch.long)
         smask = torch.zeros((len(rows), S), dtype=torch.long)
         pos = torch.zeros((len(rows), S), dtype=torch.long)
@@ -370,28 +380,30 @@ class HFEngine(EngineWeights, InferenceEngine):
             logits[:, self.n_token_ids:] = float("-inf")
         return logits
 
-    def _assemble(self, kvs: list[KV | None]):
-        """Left-pad cached keys/values into one DynamicCache; return it with its 2-D mask."""
+    def _room(self, rows: list[Row]) -> int:
+        """Spare decode-cache positions for `rows`: what they may still generate, at most `kv_room`."""
+        return min(self.kv_room, max(r.req.max_new_tokens - len(r.tokens) for r in rows))
+
+    def _assemble(self, kvs: list[KV | None], new: int, room: int):
+        """Left-pad cached keys/values into one cache that takes `new` positions (the next
+        forward's) plus `room` more before it reallocates; return it with its 2-D mask."""
         from transformers import DynamicCache
 
         lens = [len(kv.tokens) if kv is not None else 0 for kv in kvs]
         P, B = max(lens), len(kvs)
         mask = torch.zeros((B, P), dtype=torch.long, device=self.device)
+        if not self.reuse_kv:
+            return DynamicCache(config=self.model.config), mask
         if P == 0:
-            return (DynamicCache() if self.reuse_kv else DynamicCache(config=self.model.config)), mask
-        ref = next(kv for kv in kvs if kv is not None and kv.tokens)
+            return preallocated_cache(room=room), mask
         layers = []
-        for li, (k0, v0) in enumerate(zip(ref.keys, ref.values)):
-            K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]), device=self.device)
-            V = v0.new_zeros((B, v0.shape[0], P, v0.shape[2]), device=self.device)
-            for i, kv in enumerate(kvs):
-                if lens[i]:
-                    K[i, :, P - lens[i]:] = kv.keys[li]
-                    V[i, :, P - lens[i]:] = kv.values[li]
-            layers.append((K, V))
+        for li in range(len(next(kv for kv in kvs if kv is not None and kv.tokens).keys)):
+            blocks = [(kv.keys[li][None], kv.values[li][None]) if n else None
+                      for kv, n in zip(kvs, lens)]
+            layers.append(PreallocatedLayer(room).fill(blocks, P, new + room, self.device))
         for i, n in enumerate(lens):
             mask[i, P - n:] = 1 if n else 0
-        return DynamicCache(layers), mask
+        return preallocated_cache(layers), mask
 
     def _extract(self, batch: Batch, i: int, tokens: list[int]) -> KV:
         """Copy row i's real positions out of the batch cache (to CPU memory)."""
@@ -406,13 +418,10 @@ class HFEngine(EngineWeights, InferenceEngine):
     def select(self, batch: Batch, keep: list[int]) -> Batch:
         """Drop finished rows, then the columns that are padding in every remaining row."""
         idx = torch.tensor(keep, device=self.device)
-        batch.cache.batch_select_indices(idx)
         mask = batch.mask[idx]
-        first = int(mask.any(0).long().argmax())
-        if first > 0 and self.reuse_kv:
-            for layer in batch.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            mask = mask[:, first:]
+        first = int(mask.any(0).long().argmax()) if self.reuse_kv else 0
+        select_cache_rows(batch.cache, idx, first)
+        mask = mask[:, first:]
         return Batch([batch.rows[i] for i in keep], batch.cache, mask, batch.next_pos[idx])
 
     # ------------------------------------------------------------------ sampling

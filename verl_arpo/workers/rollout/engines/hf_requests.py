@@ -87,21 +87,18 @@ def row_output(r: Row) -> GenOutput:
 
 
 def merge_batches(a, b):
-    """One batch from two: each cache left-padded to the longer one, rows stacked (a first)."""
-    from transformers import DynamicCache
+    """One batch from two: each cache left-padded to the longer one, rows stacked (a first), with
+    the larger of their decode rooms (kv_room.py)."""
+    from verl_arpo.workers.rollout.engines.kv_room import PreallocatedLayer, preallocated_cache
 
     Ta, Tb = a.mask.shape[1], b.mask.shape[1]
     T, Ba, Bb = max(Ta, Tb), a.mask.shape[0], b.mask.shape[0]
     layers = []
     for la, lb in zip(a.cache.layers, b.cache.layers):
-        merged = []
-        for xa, xb in ((la.keys, lb.keys), (la.values, lb.values)):
-            x = xa.new_zeros((Ba + Bb, xa.shape[1], T, xa.shape[3]))
-            x[:Ba, :, T - Ta:] = xa
-            x[Ba:, :, T - Tb:] = xb
-            merged.append(x)
-        layers.append(tuple(merged))
+        room = max(getattr(la, "room", 0), getattr(lb, "room", 0))
+        layers.append(PreallocatedLayer(room).fill([(la.keys, la.values), (lb.keys, lb.values)],
+                                                   T, room, la.keys.device))
     mask = a.mask.new_zeros((Ba + Bb, T))
     mask[:Ba, T - Ta:] = a.mask
     mask[Ba:, T - Tb:] = b.mask
-    return Batch(a.rows + b.rows, DynamicCache(layers), mask, torch.cat([a.next_pos, b.next_pos]))
+    return Batch(a.rows + b.rows, preallocated_cache(layers), mask, torch.cat([a.next_pos, b.next_pos]))
