@@ -21,20 +21,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def fresh_venv(tmp_path_factory):
     base = tmp_path_factory.mktemp("wheel")
     dist = base / "dist"
+    # without PYTHONPATH throughout: a checkout on it (with the egg-info the build leaves there) would
+    # count as installed, and pip would skip the wheel
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                        str(ROOT)], capture_output=True, text=True, timeout=600)
+                        str(ROOT)], capture_output=True, text=True, timeout=600, env=_env())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     wheel = next(dist.glob("verl_arpo-*.whl"))
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, env=_env())
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+                          capture_output=True, text=True, check=True, env=_env()).stdout.strip()
     # this environment's dependencies, as a plain path entry: its .pth files (the editable install
     # of this checkout among them) are not processed there
     Path(site, "deps_from_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=_env())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return {"venv": venv, "py": py, "site": Path(site), "wheel": wheel}
 
