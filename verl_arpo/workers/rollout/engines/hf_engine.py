@@ -19,8 +19,10 @@ How a call runs
    length, the suffixes are left-padded after them, and one forward runs with an explicit
    attention mask (1 = real token) and explicit position ids (= number of real tokens before).
    Padding in the middle of a row is fine: it is masked, and RoPE keys keep their own positions.
-3. Decode: one token per step for the whole batch; a finished sequence's keys/values are copied
-   out (real positions only) into the per-request store and the row leaves the batch.
+3. Decode: one token per step for the whole batch, written into room the batch's cache set aside
+   for what its rows may still generate (kv_room.py: no per-step copy of the cache); a finished
+   sequence's keys/values are copied out (real positions only) into the per-request store and the
+   row leaves the batch.
 
 Cached entries are never modified in place, so a branch shares its parent's tensors (views cut to
 the common prefix) without copying: copy-on-write for free. Entries live in CPU memory until
