@@ -6,7 +6,7 @@
 #
 #   bash scripts/quickstart.sh              # the full run: bf16 where the CPU has native bf16 (AMX), else fp32
 #                                           # (--precision bf16|fp32 forces one); times and results: docs/results.md
-#   bash scripts/quickstart.sh --smoke      # ~5 minutes: every stage at a small shape (plumbing check)
+#   bash scripts/quickstart.sh --smoke      # ~3 minutes (~5 from a bare machine): every stage at a plumbing shape
 #   bash scripts/quickstart.sh --tiny       # the random tiny model (plumbing only)
 #   bash scripts/quickstart.sh --algo aepo  # AEPO instead of ARPO (also: grpo)
 #   bash scripts/quickstart.sh --out outputs/lr1e5 actor_rollout_ref.actor.optim.lr=1e-5

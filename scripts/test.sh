@@ -2,7 +2,7 @@
 # The project's one test command. From a bare machine it sets up everything the tests need:
 #   - Debian packages (bubblewrap for the Python sandbox) when running as root,
 #   - .venv (re-created when requirements.txt / setup.py changed), torch first, then .[dev],
-# and runs the default pytest suite (CPU, ~10 minutes on 2 cores).
+# and runs the default pytest suite (CPU, ~45 minutes on 2 cores).
 #
 #   bash scripts/test.sh                 default suite
 #   bash scripts/test.sh --slow          also tests marked `slow` (end-to-end runs; installs the TRL baseline)

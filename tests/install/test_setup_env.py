@@ -1,0 +1,59 @@
+"""scripts/setup_env.sh from nothing: a new virtualenv gets the pinned CPU torch from pip and the rest
+from uv, and when uv cannot reach its index the same command falls back to pip and still succeeds.
+
+Each test builds a real virtualenv in a temporary folder (about 1.5 and 3 minutes on 2 cores), so
+both are `slow`; CI's own `scripts/test.sh` runs the uv path from a bare machine every time.
+"""
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _setup(venv: Path, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VERL_ARPO_VENV=str(venv), **env_extra)
+    return subprocess.run(["bash", "-c", "set -euo pipefail; source scripts/setup_env.sh; setup_env"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+def _installed(venv: Path, tmp_path: Path) -> dict[str, str]:
+    """What the new environment imports, run outside the checkout (so the editable install is what finds it)."""
+    code = ("import torch, verl_arpo, transformers, ray, hydra, tensordict, gguf, json, importlib.metadata as m; "
+            "print(json.dumps({'torch': torch.__version__, 'verl_arpo': verl_arpo.__file__, "
+            "'uv': [d.metadata['Name'] for d in m.distributions()].count('uv')}))")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_environment_from_uv_keeps_the_pinned_cpu_torch_and_a_second_call_installs_nothing(tmp_path):
+    venv = tmp_path / "venv"
+    r = _setup(venv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(uv;" in r.stderr and "pip instead" not in r.stderr, r.stderr[-3000:]
+    got = _installed(venv, tmp_path)
+    assert got["torch"] == "2.13.0+cpu"            # the pin, not a CUDA build uv would fetch from PyPI
+    assert got["verl_arpo"] == str(ROOT / "verl_arpo" / "__init__.py")   # editable: the checkout itself
+    assert got["uv"] == 1
+    stamp = (venv / ".verl_arpo_stamp").read_text().strip()
+    r2 = _setup(venv)
+    assert r2.returncode == 0 and "installing" not in r2.stderr, r2.stderr[-3000:]
+    assert (venv / ".verl_arpo_stamp").read_text().strip() == stamp
+
+
+def test_when_uv_cannot_reach_its_index_pip_installs_instead(tmp_path):
+    venv = tmp_path / "venv"
+    # a closed port on this machine: uv's resolution fails, as behind a proxy it cannot pass
+    r = _setup(venv, UV_INDEX_URL="http://127.0.0.1:9/simple")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "uv could not install -e" in r.stderr, r.stderr[-3000:]
+    got = _installed(venv, tmp_path)
+    assert got["torch"] == "2.13.0+cpu"
+    assert got["verl_arpo"] == str(ROOT / "verl_arpo" / "__init__.py")
