@@ -39,7 +39,12 @@ _pick_python() {
 # the local CPU wheel (PIP_FIND_LINKS) that uv does not look at, and the constraint below stops uv
 # from replacing it (a range that 2.13 does not satisfy would otherwise fetch a multi-GB CUDA build).
 # Any uv failure (no uv wheel, a proxy it cannot pass) falls back to pip for that command.
-_installer_name() { [ "${VERL_ARPO_INSTALLER:-uv}" = pip ] && echo pip || echo uv; }
+_installer_name() {
+  case "${VERL_ARPO_INSTALLER:-uv}" in
+    uv | pip) echo "${VERL_ARPO_INSTALLER:-uv}" ;;
+    *) _log "VERL_ARPO_INSTALLER=${VERL_ARPO_INSTALLER}: set it to uv or pip (or leave it unset: uv)"; return 1 ;;
+  esac
+}
 
 _install() {
   if [ "$(_installer_name)" = uv ]; then
@@ -60,6 +65,7 @@ _install() {
 }
 
 setup_env() {
+  _installer_name >/dev/null || return 1
   _apt_install bwrap:bubblewrap
   local stamp_want
   stamp_want="$(cat "$ROOT/requirements.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)"

@@ -1,8 +1,8 @@
 """scripts/setup_env.sh from nothing: a new virtualenv gets the pinned CPU torch from pip and the rest
 from uv, and when uv cannot reach its index the same command falls back to pip and still succeeds.
 
-Each test builds a real virtualenv in a temporary folder (about 1.5 and 3 minutes on 2 cores), so
-both are `slow`; CI's own `scripts/test.sh` runs the uv path from a bare machine every time.
+The two that build a real virtualenv in a temporary folder (about 1.5 and 3 minutes on 2 cores) are
+`slow`; CI's own `scripts/test.sh` runs the uv path from a bare machine every time.
 """
 import os
 import subprocess
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
 
 
 def _setup(venv: Path, **env_extra: str) -> subprocess.CompletedProcess:
@@ -33,6 +32,7 @@ def _installed(venv: Path, tmp_path: Path) -> dict[str, str]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_new_environment_from_uv_keeps_the_pinned_cpu_torch_and_a_second_call_installs_nothing(tmp_path):
     venv = tmp_path / "venv"
     r = _setup(venv)
@@ -48,6 +48,7 @@ def test_a_new_environment_from_uv_keeps_the_pinned_cpu_torch_and_a_second_call_
     assert (venv / ".verl_arpo_stamp").read_text().strip() == stamp
 
 
+@pytest.mark.slow
 def test_when_uv_cannot_reach_its_index_pip_installs_instead(tmp_path):
     venv = tmp_path / "venv"
     # a closed port on this machine: uv's resolution fails, as behind a proxy it cannot pass
@@ -57,3 +58,11 @@ def test_when_uv_cannot_reach_its_index_pip_installs_instead(tmp_path):
     got = _installed(venv, tmp_path)
     assert got["torch"] == "2.13.0+cpu"
     assert got["verl_arpo"] == str(ROOT / "verl_arpo" / "__init__.py")
+
+
+def test_an_unknown_installer_is_refused_by_name_before_anything_is_made(tmp_path):
+    venv = tmp_path / "venv"
+    r = _setup(venv, VERL_ARPO_INSTALLER="conda")
+    assert r.returncode != 0
+    assert "VERL_ARPO_INSTALLER=conda: set it to uv or pip" in r.stderr, r.stderr[-2000:]
+    assert not venv.exists()
