@@ -4,6 +4,7 @@ from uv, and when uv cannot reach its index the same command falls back to pip a
 The two that build a real virtualenv in a temporary folder (about 1.5 and 3 minutes on 2 cores) are
 `slow`; CI's own `scripts/test.sh` runs the uv path from a bare machine every time.
 """
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -20,7 +21,7 @@ def _setup(venv: Path, **env_extra: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=900)
 
 
-def _installed(venv: Path, tmp_path: Path) -> dict[str, str]:
+def _installed(venv: Path, tmp_path: Path) -> dict:
     """What the new environment imports, run outside the checkout (so the editable install is what finds it)."""
     code = ("import torch, verl_arpo, transformers, ray, hydra, tensordict, gguf, json, importlib.metadata as m; "
             "print(json.dumps({'torch': torch.__version__, 'verl_arpo': verl_arpo.__file__, "
@@ -28,7 +29,6 @@ def _installed(venv: Path, tmp_path: Path) -> dict[str, str]:
     r = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
