@@ -160,5 +160,6 @@ def test_a_run_whose_tool_never_answers_stops_with_exit_6_naming_it(tool_model_d
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 6, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("[verl_arpo] tool outage at step 1:") and "python (" in last and "(exit 6)" in last
-    assert "Last checkpoint: none" in last and "Traceback" not in proc.stderr
+    assert last.startswith("[verl_arpo] tool outage at step 1:") and "python (" in last and "(exit 6)" in last, \
+        proc.stderr[-3000:]
+    assert "Last checkpoint: none" in last and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -71,3 +71,24 @@ def test_a_scorer_that_raises_on_every_row_stops_naming_the_fix(tiny_tokenizer):
         raise ValueError("no such field")
     with pytest.raises(RuntimeError, match=r"raised on all 4 samples .*sample 0.*no such field.*custom_reward_function"):
         NaiveRewardManager(tiny_tokenizer, compute_score=broken, num_workers=0)(data)
+
+
+def test_a_killed_pool_leaves_nothing_for_the_exit_hook_to_race():
+    """CPython 3.11's exit hook for process pools writes to each pool's wake-up pipe without the lock
+    its manager thread closes that pipe under. A pool whose shutdown still ran in the background at
+    exit printed "OSError: [Errno 9] Bad file descriptor" after a run's last line (seen in CI after
+    the tool-outage exit). So a pool stopped by the reward timeout (also what `__del__` does) has its
+    manager thread finished and its pipe closed when the call returns. The trainer closes its
+    reward managers in `shutdown()` (tests/trainer/test_e2e.py)."""
+    from verl_arpo.utils.reward_score import default_compute_score
+    from verl_arpo.workers.scoring_pool import ScoringPool
+
+    pool = ScoringPool(default_compute_score, num_workers=1, parallel_threshold=2, score_timeout=60)
+    assert pool.score_all([(0, "openai/gsm8k", "#### 7", "7", None)])[0]["score"] == 1.0
+    executor = pool._pool
+    manager, wakeup = executor._executor_manager_thread, executor._executor_manager_thread_wakeup
+    workers = list(executor._processes.values())
+    assert manager.is_alive() and not wakeup._closed
+    pool._kill_pool()                # what a reward timeout does
+    assert not manager.is_alive() and wakeup._closed
+    assert not any(w.is_alive() for w in workers)

@@ -178,6 +178,7 @@ def test_merge_checkpoint_matches_trainer_model(ray_local, tool_model_dir, toy_d
         live = trainer.actor_rollout_wg.compute_log_prob(batch).batch["old_log_probs"]
     finally:
         trainer.shutdown()
+    assert not trainer.reward_fn.scoring.started   # the scoring processes stop with the trainer
     hf_dir = tmp_path / "hf"
     r = subprocess.run([sys.executable, str(ROOT / "merge_ckpt" / "convert_verl_to_hf.py"), "--verl_checkpoint",
                         str(tmp_path / "run" / "global_step_1"), "--output_dir", str(hf_dir), "--model_type", "qwen2"],

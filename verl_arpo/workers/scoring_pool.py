@@ -114,8 +114,7 @@ class ScoringPool:
 
     def __del__(self) -> None:  # best effort; call close() explicitly when you can
         try:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._kill_pool()
         except Exception:
             pass
 
@@ -181,7 +180,11 @@ class ScoringPool:
             return
         for proc in list(getattr(pool, "_processes", {}).values()):  # a hung scorer ignores shutdown
             proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        # wait=True: the workers are dead, so this only joins the pool's manager thread. One left
+        # running races CPython 3.11's exit hook for the pool (`_python_exit` writes to the wake-up
+        # pipe that thread is closing: an "OSError: [Errno 9] Bad file descriptor" traceback printed
+        # after a run's last line; fixed upstream in 3.12, gh-125451)
+        pool.shutdown(wait=True, cancel_futures=True)
 
     def _score_serially(self, items: list[tuple], deadline: float | None) -> list[Any]:
         """Score in this thread; past `deadline` a watchdog stops the scorer (the main thread: a

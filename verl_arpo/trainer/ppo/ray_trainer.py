@@ -226,8 +226,14 @@ class RayPPOTrainer:
         return make_group
 
     def shutdown(self):
-        """Kill the worker actors, release the placement groups (a driver may train again) and the run lock."""
+        """Kill the worker actors, release the placement groups (a driver may train again) and the run lock,
+        and stop the reward scoring processes (scoring_pool.py: none may still be stopping when the
+        interpreter exits)."""
         self.run_dir.release_lock()
+        for reward_fn in {id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None}.values():
+            close = getattr(reward_fn, "close", None)   # a user's reward function may be a plain callable
+            if close is not None:
+                close()
         for name in ("critic_wg", "actor_rollout_wg"):
             wg = getattr(self, name, None)
             if wg is not None:
