@@ -8,7 +8,7 @@ import time
 
 import pytest
 from rel_helpers import write_tool_task
-from test_faults_training import ROOT, _cmd, _env
+from test_faults_training import NO_CLUSTER, ROOT, _cmd, _env
 
 
 def test_a_pool_the_cluster_can_never_hold_is_refused_at_once(ray_local):
@@ -64,10 +64,11 @@ def test_a_locked_run_directory_is_one_line_and_exit_3(tiny_model_dir, tmp_path)
     out.mkdir()
     holder = _lock_holder(out)
     try:
-        proc = subprocess.run(_cmd(tiny_model_dir, data, out), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                              timeout=300)
-        full = subprocess.run(_cmd(tiny_model_dir, data, out), cwd=ROOT, env={**_env(), "HYDRA_FULL_ERROR": "1"},
-                              capture_output=True, text=True, timeout=300)
+        # NO_CLUSTER: an unreachable Ray address, never tried when the lock is checked first
+        proc = subprocess.run(_cmd(tiny_model_dir, data, out, NO_CLUSTER), cwd=ROOT, env=_env(), capture_output=True,
+                              text=True, timeout=300)
+        full = subprocess.run(_cmd(tiny_model_dir, data, out, NO_CLUSTER), cwd=ROOT,
+                              env={**_env(), "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
         holder.wait()

@@ -24,6 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # metrics that depend on wall time or on what a cache already held, not on the training itself
 _VOLATILE = ("timing", "time_", "perf/", "throughput", "memory", "cache_", "/calls_per_s", "abandoned")
 
+# a Ray address where no cluster listens: a run that got as far as joining its cluster would fail
+# there, so a refusal made with it set came before any cluster or worker started
+NO_CLUSTER = "ray_init.address=127.0.0.1:9"
+
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
@@ -221,7 +225,8 @@ def test_a_changed_run_refuses_to_resume_unless_forced(finished_run, tool_model_
     shutil.copytree(finished_run, run)
     changed = _cmd(tool_model_dir, toy_data, run, "trainer.total_training_steps=3",
                    "algorithm.adv_estimator=rloo")
-    r = subprocess.run(changed, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    # refused before any cluster starts: an unreachable ray_init.address is never tried
+    r = subprocess.run(changed + [NO_CLUSTER], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 4, r.stderr[-3000:]   # [issue 51] a refusal: one line, its own exit code
     assert "Traceback" not in r.stderr and "Error executing job" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("[verl_arpo] checkpoint ")
@@ -280,27 +285,30 @@ def test_a_resume_path_without_its_completeness_marker_is_refused(finished_run, 
     shutil.copytree(finished_run, run)
     (run / "global_step_2" / "checkpoint_complete.json").unlink()
     r = subprocess.run(_cmd(tool_model_dir, toy_data, run, "trainer.total_training_steps=3",
-                            "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'global_step_2'}"),
+                            "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / 'global_step_2'}",
+                            NO_CLUSTER),
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode != 0
-    assert "has no checkpoint_complete.json" in r.stdout + r.stderr
+    assert "has no checkpoint_complete.json" in r.stdout + r.stderr   # before the (absent) cluster was tried
     assert not (run / "global_step_3").exists()
 
 
 def test_a_second_run_is_refused_before_its_workers_start(tool_model_dir, toy_data, tmp_path):
     """[issue 34, item 6] The run lock was taken in fit(), after every worker had loaded its model: a
     second run on a directory in use spent its whole start-up before it was refused. It is taken
-    before the workers now (no worker ever reports its rank)."""
+    before the cluster now (main_ppo.run: RunDirectory.claim), so no worker ever reports its rank and
+    an unreachable ray_init.address is never tried."""
     holder = _lock_holder(tmp_path)
     try:
-        r = subprocess.run(_cmd(tool_model_dir, toy_data, tmp_path), cwd=ROOT, env=_env(), capture_output=True,
-                           text=True, timeout=600)
+        r = subprocess.run(_cmd(tool_model_dir, toy_data, tmp_path, NO_CLUSTER), cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=600)
     finally:
         holder.kill()
         holder.wait()
     out = r.stdout + r.stderr
     assert r.returncode != 0 and f"another run is using trainer.default_local_dir={tmp_path}" in out
     assert f"pid {holder.pid}" in out and "worker ranks on nodes" not in out
+    assert r.returncode == 3   # the lock's refusal, not a failure to join the (absent) cluster
 
 
 def test_the_consecutive_skip_count_is_checkpointed(finished_run):
@@ -312,3 +320,44 @@ def test_the_consecutive_skip_count_is_checkpointed(finished_run):
     for step in (1, 2):
         state = load_dataloader_state(str(finished_run / f"global_step_{step}"))
         assert state["consecutive_skipped"] == logged[step]["training/consecutive_skipped_steps"]
+
+
+def _job(model_dir, data_dir, run, *extra):
+    """The typed config `_cmd` would make (composed and checked in this process)."""
+    from hydra import compose, initialize_config_dir
+
+    from verl_arpo.trainer.config import validate_config
+
+    overrides = [a for a in _cmd(model_dir, data_dir, run, *extra)[4:] if not a.startswith("hydra.")]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return validate_config(compose(config_name="cpu_tiny", overrides=overrides))
+
+
+def test_a_claim_answers_the_first_resume_point_and_a_refused_claim_frees_the_folder(
+        finished_run, tool_model_dir, toy_data, tmp_path):
+    """main_ppo.run claims the run directory before Ray starts: the lock and the checked resume point.
+    The trainer's first resume_point() is the claim's answer; a refused claim (another run's
+    checkpoint) leaves the folder unlocked, so the user's next, corrected run is not refused as
+    'in use'."""
+    import shutil
+
+    from verl_arpo.trainer.ppo.run_directory import DifferentRunError, RunDirectory
+    from verl_arpo.utils.checkpoint.integrity import RunDirLock, RunDirLockedError
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    changed = RunDirectory(_job(tool_model_dir, toy_data, run, "algorithm.adv_estimator=rloo"))
+    with pytest.raises(DifferentRunError, match="algorithm.adv_estimator: was 'grpo', now 'rloo'"):
+        changed.claim()
+    with RunDirLock(str(run)):   # free again
+        pass
+
+    same = RunDirectory(_job(tool_model_dir, toy_data, run, "trainer.total_training_steps=3")).claim()
+    try:
+        with pytest.raises(RunDirLockedError):
+            RunDirLock(str(run)).acquire()           # held from the claim on
+        shutil.rmtree(run / "global_step_2")         # what a fresh look would see now
+        assert same.resume_point() == str(run / "global_step_2")   # the claim's answer, once
+        assert same.resume_point() == str(run / "global_step_1")   # then a fresh look
+    finally:
+        same.release_lock()

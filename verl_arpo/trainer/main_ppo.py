@@ -155,9 +155,21 @@ def run(cfg: DictConfig) -> Any:
     started. The full masked config goes to a file (Hydra's run dir), not to the console."""
     full = save_masked_config(cfg)
     job = validate_config(cfg, on_typed=lambda typed: print(config_summary(typed, full), flush=True))
+    from verl_arpo.trainer.ppo.run_directory import RunDirectory
+
+    # the lock and the checkpoint to resume are checked before anything slow starts: a second run, a
+    # changed run or a damaged resume_path is refused in seconds (docs/checkpoints.md)
+    run_dir = RunDirectory(job).claim()
+    try:
+        return _train(job, run_dir)
+    finally:
+        run_dir.release_lock()   # the trainer's shutdown released it already, unless it never started
+
+
+def _train(job: JobConfig, run_dir) -> Any:
     if job.trainer.single_process:   # the worker lives in this process (single_controller/local.py): no Ray
         set_driver_env(job)
-        return load_run_ppo()(job)
+        return load_run_ppo()(job, run_dir=run_dir)
     own_session = not job.ray_init.address and "ray" not in sys.modules
     if own_session:
         # the head init_ray starts (`ray start`) turns token authentication on, and a driver joining a
@@ -167,7 +179,7 @@ def run(cfg: DictConfig) -> Any:
     run_ppo = load_run_ppo()
     started = init_ray(job, own_session=own_session)
     try:
-        return run_ppo(job)
+        return run_ppo(job, run_dir=run_dir)
     finally:
         if started:
             shutdown_ray()

@@ -107,7 +107,8 @@ def compute_advantage(batch: DataProto, adv_estimator: str, gamma: float = 1.0, 
 class RayPPOTrainer:
     """Owns the worker groups, the data order, tracking and checkpoints; `fit()` runs training."""
 
-    def __init__(self, config: JobConfig, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn):
+    def __init__(self, config: JobConfig, tokenizer, train_dataset, val_dataset, reward_fn, val_reward_fn,
+                 run_dir: RunDirectory | None = None):
         self.tokenizer = tokenizer
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
@@ -138,7 +139,8 @@ class RayPPOTrainer:
         self.wandb_run_id: str | None = None  # continued by a resumed run (stored in data.pt)
         self.last_checkpoint: str | None = None
         self._val_samples: list[dict] = []   # picked by validate, logged with its step's metrics
-        self.run_dir = RunDirectory(config)   # its lock is held from init_workers to shutdown
+        # its lock is held from init_workers (or the caller's claim(), before the cluster) to shutdown
+        self.run_dir = run_dir if run_dir is not None else RunDirectory(config)
 
     # ------------------------------------------------------------------ workers
     def init_workers(self):
@@ -556,11 +558,12 @@ def _typed(config: Any) -> JobConfig:
     return config
 
 
-def run_ppo(config: JobConfig, keep_workers: bool = False):
+def run_ppo(config: JobConfig, keep_workers: bool = False, run_dir: RunDirectory | None = None):
     """Build datasets, reward managers and the trainer from a validated config, then train.
 
     Returns the last step's metrics; with keep_workers=True returns (metrics, trainer) and leaves
-    the worker groups alive (the caller then calls `trainer.shutdown()`)."""
+    the worker groups alive (the caller then calls `trainer.shutdown()`). `run_dir`: the run
+    directory the caller already claimed (main_ppo.run, before Ray starts); the trainer releases it."""
     from transformers import AutoTokenizer
 
     from verl_arpo.utils.dataset.rl_dataset import RLHFDataset
@@ -578,7 +581,7 @@ def run_ppo(config: JobConfig, keep_workers: bool = False):
     val_ds = RLHFDataset(config.data.val_files, tokenizer, config.data, tools=tools) if config.data.val_files else None
     reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
-    trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn)
+    trainer = RayPPOTrainer(config, tokenizer, train_ds, val_ds, reward_fn, val_reward_fn, run_dir=run_dir)
     for line in slow_bf16_keys(config, device=trainer.device):   # the device the trainer resolved, once
         logger.warning(line)
     try:

@@ -35,6 +35,20 @@ class RunDirectory:
         self.trainer = config.trainer
         self.root = os.path.abspath(self.trainer.default_local_dir)
         self._lock = None
+        self._claimed: tuple[str | None] | None = None   # claim()'s resume point, until resume_point takes it
+
+    def claim(self) -> "RunDirectory":
+        """Take the folder before a cluster or a worker starts (main_ppo.run): the lock, then the
+        checkpoint to resume, checked whole and checked to be this run's. A second run, a changed run
+        and a damaged resume_path are refused in seconds, not after the start-up. The first
+        `resume_point()` then returns what this found (the lock keeps it valid)."""
+        self.acquire_lock()
+        try:
+            self._claimed = (self._resolve_resume_point(),)
+        except BaseException:
+            self.release_lock()
+            raise
+        return self
 
     # ------------------------------------------------------------------ lock
     def acquire_lock(self) -> None:
@@ -89,7 +103,13 @@ class RunDirectory:
     # ------------------------------------------------------------------ resume
     def resume_point(self) -> str | None:
         """The checkpoint folder trainer.resume_mode resumes from, checked whole and checked to be
-        this run's (None: start fresh)."""
+        this run's (None: start fresh); claim()'s answer the first time after a claim."""
+        if self._claimed is not None:
+            (path,), self._claimed = self._claimed, None
+            return path
+        return self._resolve_resume_point()
+
+    def _resolve_resume_point(self) -> str | None:
         from verl_arpo.utils.checkpoint import COMPLETE_MARKER, find_resumable_checkpoint, list_checkpoints
         from verl_arpo.utils.checkpoint.integrity import verify_checkpoint
 
