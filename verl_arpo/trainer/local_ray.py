@@ -50,6 +50,21 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def existing_auth_token(env: dict) -> str | None:
+    """Where Ray will find its authentication token under `env`, or None when it may have none: the
+    RAY_AUTH_TOKEN variable, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token when that
+    variable is unset (Ray's own order). Only a non-empty value or file counts."""
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    named = env.get("RAY_AUTH_TOKEN_PATH")
+    home = env.get("HOME") or os.path.expanduser("~")
+    path = Path(named).expanduser() if named else Path(home) / ".ray" / "auth_token"
+    try:
+        return str(path) if path.read_text().strip() else None
+    except OSError:
+        return None
+
+
 class LocalRayHead:
     """`ray start --head --block` in its own session; `start()` returns the address to join."""
 
@@ -58,6 +73,7 @@ class LocalRayHead:
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
         self.address: str | None = None
+        self.kept_log = False   # stop(keep_log=True) ran: a later stop() leaves the log alone
         fd, name = tempfile.mkstemp(prefix="verl_arpo_ray_head_", suffix=".log")
         os.close(fd)
         self.log = Path(name)
@@ -77,8 +93,8 @@ class LocalRayHead:
         (a fresh GPU node, a new user's HOME) failed the first run. `ray get-auth-token --generate`
         writes ~/.ray/auth_token only when none is found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH and the
         file are looked at first); it prints the token, which is a secret, so its stdout is dropped."""
-        if self.env.get("RAY_AUTH_MODE", "").lower() != "token":
-            return
+        if self.env.get("RAY_AUTH_MODE", "").lower() != "token" or existing_auth_token(self.env):
+            return   # (a token found here saves a `ray` subprocess: 2-4 s of every run's start-up)
         r = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
                            env=self.env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
@@ -107,8 +123,11 @@ class LocalRayHead:
 
     def stop(self, grace_s: float = 30.0, keep_log: bool = False) -> None:
         """SIGTERM to `ray start --block` (it stops the processes it started), then SIGKILL to whatever
-        of its session is left."""
+        of its session is left; its log and temp dir go too (also for a head never started)."""
         if self.process is None:
+            if not keep_log and not self.kept_log:   # a failed start keeps the log its error names
+                self.log.unlink(missing_ok=True)
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
             return
         if self.process.poll() is None:
             self.process.terminate()
@@ -122,6 +141,7 @@ class LocalRayHead:
             pass
         self.process.wait()
         self.process = None
+        self.kept_log = keep_log
         if not keep_log:
             self.log.unlink(missing_ok=True)
             shutil.rmtree(self.temp_dir, ignore_errors=True)
