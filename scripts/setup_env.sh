@@ -48,9 +48,12 @@ _installer_name() {
 }
 
 _pip_find_links() {
-  # pip's find-links (PIP_FIND_LINKS, else pip.conf's global.find-links), one per line
+  # pip's find-links (PIP_FIND_LINKS, else the configuration files' global/install find-links), one
+  # per line. Read from `pip config list`: `pip config get` of pip 23 (a new venv's own) answers
+  # "No such key" for a key that PIP_CONFIG_FILE sets.
   local links="${PIP_FIND_LINKS:-}"
-  [ -n "$links" ] || links="$("$VENV/bin/python" -m pip config get global.find-links 2>/dev/null || true)"
+  [ -n "$links" ] || links="$("$VENV/bin/python" -m pip config list 2>/dev/null |
+    sed -n "s/^\(global\|install\)\.find-links='\(.*\)'\$/\2/p" | tail -n 1 || true)"
   local link
   for link in $links; do printf '%s\n' "$link"; done
 }

@@ -8,6 +8,7 @@ The two that build a real virtualenv in a temporary folder (about 1.5 and 3 minu
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,14 +62,22 @@ def test_when_uv_cannot_reach_its_index_pip_installs_instead(tmp_path):
     assert got["verl_arpo"] == str(ROOT / "verl_arpo" / "__init__.py")
 
 
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory) -> Path:
+    """A new virtualenv with only the pip it comes with (pip 23 here), as setup_env has it when it asks pip."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    return venv
+
+
 @pytest.mark.parametrize("where", ["environment", "pip.conf", "nowhere"])
-def test_uv_is_handed_the_find_links_pip_would_use(tmp_path, where):
+def test_uv_is_handed_the_find_links_pip_would_use(tmp_path, bare_venv, where):
     """uv reads no pip configuration: setup_env passes it pip's find-links, from PIP_FIND_LINKS or else
     from pip's own configuration files, so that it finds the same local torch wheel that pip would."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PYTHONPATH")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PYTHONPATH", "VIRTUAL_ENV")}
     conf = tmp_path / "pip.conf"
     conf.write_text("[global]\n" + ("find-links = /wheels/a /wheels/b\n" if where == "pip.conf" else ""))
-    env.update(VERL_ARPO_VENV=str(ROOT / ".venv"), PIP_CONFIG_FILE=str(conf))
+    env.update(VERL_ARPO_VENV=str(bare_venv), PIP_CONFIG_FILE=str(conf))
     if where == "environment":
         env["PIP_FIND_LINKS"] = "/wheels/env file:///wheels/two"
     r = subprocess.run(["bash", "-c", "set -euo pipefail; source scripts/setup_env.sh; _pip_find_links"], cwd=ROOT,
@@ -76,7 +85,7 @@ def test_uv_is_handed_the_find_links_pip_would_use(tmp_path, where):
     assert r.returncode == 0, r.stderr[-2000:]
     want = {"environment": ["/wheels/env", "file:///wheels/two"], "pip.conf": ["/wheels/a", "/wheels/b"]}
     if where == "nowhere" and "find-links" in subprocess.run(
-            [str(ROOT / ".venv" / "bin" / "python"), "-m", "pip", "config", "list"], env=env,
+            [str(bare_venv / "bin" / "python"), "-m", "pip", "config", "list"], env=env,
             capture_output=True, text=True).stdout:
         pytest.skip("this machine's own pip configuration sets find-links")
     assert r.stdout.split() == want.get(where, [])
