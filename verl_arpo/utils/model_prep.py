@@ -109,7 +109,8 @@ def gguf_parsed_once():
     Why: transformers' GGUF loading (5.x) opens the file three times (tokenizer, config, weights)
     and each `GGUFReader` walks the 49,152-entry vocabulary field by field; its weight-name mapping
     builds gguf's `TensorNameMap` once per module (~400 times). On the 2-core AVX2 machine of
-    docs/performance.md ("Set-up from a bare machine") that was ~25 of the preparation's ~42 s.
+    docs/performance.md ("Set-up from a bare machine") the two took 37 of the preparation's 72 s
+    under cProfile; timed without it, the preparation went from ~54 to ~37 s (1.45x).
     Both are pure functions of their arguments and transformers only reads what they return, so
     reusing them changes no weight (tests/quickstart/test_model_prep.py compares every tensor).
     transformers imports both names from `gguf` inside its functions, so replacing the module's
