@@ -78,7 +78,8 @@ from verl_arpo.quickstart import (  # noqa: E402  (after the path set-up: runs a
 from run_records import (RUN_IDENTITY, checkpointed_step, earlier_steps_s, eval_record,  # noqa: E402,F401
                          last_per_step, resume_refusal, training_record, write_atomic)
 from comparison_report import (BASELINE, BUDGETS, KINDS, PROMPTS_PER_STEP, budgets, build_report,  # noqa: E402,F401
-                               complete_pairs, markdown, picture, resumed_runs, runs_by_config, verdict)
+                               complete_pairs, cpu_kind, markdown, other_start_runs, picture, resumed_runs,
+                               runs_by_config, verdict)
 
 TIMING = "actor_rollout_ref.rollout.entropy_timing"
 ARMS: dict[str, list[str]] = {
@@ -418,7 +419,8 @@ def write_report(store: Store, targets: list[Path], algos: tuple[str, ...], meta
         by_q = templates_of(protocol.eval_data)
         sft_eval["templates"] = [by_q.get(q, "?") for q in sft_eval["questions"]]
     frozen = store.root / "protocol.json"
-    report = {**build_report(sft_eval, store.runs(), algos), **meta, "precision": sft["precision"],
+    report = {**build_report(sft_eval, store.runs(), algos, sft["sft_sha256"]), **meta,
+              "other_start_runs": other_start_runs(store.runs(), sft["sft_sha256"]), "precision": sft["precision"],
               "sft_sha256": sft["sft_sha256"], "protocol": protocol.store,
               "config_sha256": json.loads(frozen.read_text())["config_sha256"] if frozen.exists() else None,
               "amendments": json.loads(frozen.read_text()).get("amendments", []) if frozen.exists() else [],

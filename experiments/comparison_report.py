@@ -69,11 +69,31 @@ def verdict(delta: tuple[float, float, float], name: str, base: str) -> str:
             f"(a difference larger than {max(abs(lo), abs(hi)):.3f} either way is unlikely).")
 
 
-def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str, ...]) -> dict[str, Any]:
+def cpu_kind(flags: list[str] | None) -> str:
+    """A run's CPU as the kind that decides its fp32 kernels (ATen's dispatch and MKL's branch)."""
+    if not flags:
+        return "?"
+    if "amx_bf16" in flags:
+        return "AVX-512 + AMX"
+    return "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "other")
+
+
+def other_start_runs(runs: dict[tuple[str, int], dict], sft_sha: str) -> list[dict]:
+    """The runs that started from another SFT model than the store's `sft_sha` (the same recipe retrained
+    where it cannot be bit-identical, e.g. on another CPU kind: docs/results.md), with their CPU kind."""
+    return [{"algo": a, "pair": p, "sft_sha256": r["sft_sha256"], "cpu": cpu_kind(r.get("cpu_flags"))}
+            for (a, p), r in sorted(runs.items()) if r.get("sft_sha256", sft_sha) != sft_sha]
+
+
+def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str, ...],
+                 sft_sha: str | None = None) -> dict[str, Any]:
     """The comparison over the pairs every arm finished; `sft` is the SFT model's eval_record.
 
     Intervals (verl_arpo.utils.stats): `*_delta` / `gain_over_sft` are the primary t-intervals over seed
-    pairs; `*_bootstrap` resample pairs × questions; `*_cluster` pairs × templates."""
+    pairs; `*_bootstrap` resample pairs × questions; `*_cluster` pairs × templates. Given the store's
+    `sft_sha`, a pair with a run from another SFT model stays in the primary interval, and
+    `accuracy_delta_one_sft` repeats it over the pairs whose every run started from the store's model
+    (the sensitivity analysis; `one_sft_pairs` names them)."""
     pairs = complete_pairs(runs, algos)
     report: dict[str, Any] = {"pairs": pairs, "n_questions": len(sft["correct"]), "sft": {
         "accuracy": sft["accuracy"], "per_kind": sft["per_kind"],
@@ -115,6 +135,12 @@ def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str,
                         for unit in ("per_step", "per_prompt")},
             "train": train, "rl_s": mean_interval([r["wall_s"]["rl"] for r in rs]),
             "reward_curves": {str(r["pair"]): r["train"]["per_step"]["reward"] for r in rs}}
+    one_sft = None
+    if sft_sha is not None:
+        other = {p for p in pairs for a in algos if runs[(a, p)].get("sft_sha256", sft_sha) != sft_sha}
+        if other:
+            report["one_sft_pairs"] = [p for p in pairs if p not in other]
+            one_sft = [i for i, p in enumerate(pairs) if p not in other]
     if BASELINE in scores:
         base_calls = [runs[(BASELINE, p)]["train"]["mean"]["executed_tool_calls_per_traj"] for p in pairs]
         base_spent = report["algos"][BASELINE]["budgets"]["per_prompt"]
@@ -131,6 +157,8 @@ def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str,
                                  for k in BUDGETS},
                 "executed_tool_calls_ratio": float(np.mean(calls) / max(np.mean(base_calls), 1e-9)),
                 "executed_tool_calls_ratio_per_pair": [c / max(b, 1e-9) for c, b in zip(calls, base_calls)]}
+            if one_sft is not None:
+                report["vs_baseline"][a]["accuracy_delta_one_sft"] = seed_t_interval(diff[one_sft])
             report["vs_baseline"][a]["verdict"] = verdict(report["vs_baseline"][a]["accuracy_delta"], a.upper(),
                                                          BASELINE.upper())
     return report
@@ -175,6 +203,19 @@ def markdown(report: dict) -> str:
             f"{num(bp['tool_calls_in_traj_per_traj'], '{:.2f}')} ({_ratio(br.get('tool_calls_in_traj_per_traj'))}) | "
             f"{num(r['budgets']['per_step']['tokens_trained'])} | {num(r['budgets']['per_step']['step_s'])} | {clip} |")
     lines += [""] + [f"- {vs['verdict']}" for vs in report["vs_baseline"].values()]
+    others = report.get("other_start_runs", [])
+    if others:
+        shas = sorted({r["sft_sha256"][:12] for r in others})
+        one = report.get("one_sft_pairs", [])
+        lines += ["", "Started from another SFT model than the store's (`" + report.get("sft_sha256", "?")[:12]
+                  + "`), the same recipe retrained where it is not bit-identical ("
+                  + ", ".join(f"`{s}`" for s in shas) + "): "
+                  + ", ".join(f"{r['algo']} pair {r['pair']} ({r['cpu']})" for r in others)
+                  + ". They stay in the primary interval above. Sensitivity, over the "
+                  + f"{len(one)} pair(s) whose every run started from the store's model ({', '.join(map(str, one))}): "
+                  + "; ".join(f"{a.upper()} − {base} {_ci(vs['accuracy_delta_one_sft'])}"
+                              for a, vs in report["vs_baseline"].items() if "accuracy_delta_one_sft" in vs)
+                  + " (t, seed pairs). Its gain over SFT is measured against the store's SFT model."]
     lines += ["", "Gain over SFT: " + "; ".join(
         f"{a.upper()} {_ci(r['gain_over_sft'])} (t), {_ci(r['gain_over_sft_bootstrap'])} (bootstrap)"
         + (f", {_ci(r['gain_over_sft_cluster'])} (clustered)" if "gain_over_sft_cluster" in r else "")

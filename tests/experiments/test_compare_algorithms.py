@@ -201,6 +201,38 @@ def test_report_pairs_runs_compares_with_grpo_and_skips_unfinished_pairs(tmp_pat
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_runs_from_another_sft_model_stay_in_and_a_one_model_sensitivity_is_given():
+    """Pair 2's ARPO run started from a retrained SFT model (sha 'b…', another CPU): the primary interval
+    keeps all 3 pairs; the sensitivity is the t-interval over pairs 0 and 1 alone, by hand."""
+    sft = [0] * 6
+    per_pair = {0: ([1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]),   # ARPO − GRPO: +1/6
+                1: ([1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]),   # +2/6
+                2: ([1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0])}   # −2/6
+    runs = {}
+    for p, (g, a) in per_pair.items():
+        runs[("grpo", p)] = {**_result("grpo", p, g, 1.0), "sft_sha256": "a" * 64, "cpu_flags": ["avx2", "fma"]}
+        runs[("arpo", p)] = {**_result("arpo", p, a, 1.0), "sft_sha256": "a" * 64, "cpu_flags": ["avx2", "fma"]}
+    runs[("arpo", 2)].update(sft_sha256="b" * 64, cpu_flags=["avx2", "avx512f", "amx_bf16"])
+    rep = ca.build_report(ca.eval_record(_eval_report(sft)), runs, ("grpo", "arpo"), sft_sha="a" * 64)
+    vs = rep["vs_baseline"]["arpo"]
+    assert rep["pairs"] == [0, 1, 2] and rep["one_sft_pairs"] == [0, 1]
+    assert vs["accuracy_delta"][0] == pytest.approx((1 + 2 - 2) / 18)          # all three pairs
+    d = [1 / 6, 2 / 6]
+    m, s = sum(d) / 2, math.sqrt(sum((x - sum(d) / 2) ** 2 for x in d) / 1)
+    assert vs["accuracy_delta_one_sft"] == pytest.approx((m, m - 12.706 * s / math.sqrt(2), m + 12.706 * s / math.sqrt(2)))
+    others = ca.other_start_runs(runs, "a" * 64)
+    assert others == [{"algo": "arpo", "pair": 2, "sft_sha256": "b" * 64, "cpu": "AVX-512 + AMX"}]
+    assert ca.cpu_kind(["avx2", "fma"]) == "AVX2" and ca.cpu_kind(["avx512f"]) == "AVX-512" and ca.cpu_kind(None) == "?"
+    md = ca.markdown({**rep, "sft_sha256": "a" * 64, "other_start_runs": others})
+    assert "arpo pair 2 (AVX-512 + AMX)" in md and "`bbbbbbbbbbbb`" in md and "over the 2 pair(s)" in md
+    assert f"ARPO − GRPO {m:+.3f} [" in md
+    # every run from the store's model: no sensitivity, nothing named
+    same = {k: {**r, "sft_sha256": "a" * 64} for k, r in runs.items()}
+    rep2 = ca.build_report(ca.eval_record(_eval_report(sft)), same, ("grpo", "arpo"), sft_sha="a" * 64)
+    assert "one_sft_pairs" not in rep2 and "accuracy_delta_one_sft" not in rep2["vs_baseline"]["arpo"]
+    assert ca.other_start_runs(same, "a" * 64) == [] and "another SFT model" not in ca.markdown(rep2)
+
+
 def test_a_run_on_other_questions_is_refused():
     other = _result("arpo", 0, [1] * 6, 1.0)
     other["eval"]["questions"] = list(reversed(QUESTIONS))
