@@ -32,6 +32,12 @@ excluded), executed tool calls (pre-monitoring's included), tool calls inside ea
 branch counts the calls it shares with its parent), trained tokens and wall seconds."""
 
 
+CONTRASTS = (("arpo", "arpo_w0", "does the entropy steer usefully: ARPO against the same branching at p = 0.5"),
+             ("arpo", "arpo_before_call", "the paper's entropy timing against the reference code's"))
+"""Differences between two non-baseline arms that the experiment is built to answer (issue 46), given
+with the same intervals as the differences from the baseline when both arms ran."""
+
+
 PROMPTS_PER_STEP = 6
 """configs/quickstart.yaml's data.train_batch_size (tests/benchmarks checks it)."""
 
@@ -161,6 +167,14 @@ def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str,
                 report["vs_baseline"][a]["accuracy_delta_one_sft"] = seed_t_interval(diff[one_sft])
             report["vs_baseline"][a]["verdict"] = verdict(report["vs_baseline"][a]["accuracy_delta"], a.upper(),
                                                          BASELINE.upper())
+    report["contrasts"] = {}
+    for a, b, what in CONTRASTS:
+        if a in scores and b in scores:
+            diff = scores[a] - scores[b]
+            report["contrasts"][f"{a}-{b}"] = {
+                "what": what, **intervals(diff, "accuracy_delta"),
+                "accuracy_delta_per_pair": [float(x) for x in diff.mean(axis=1)],
+                **({"accuracy_delta_one_sft": seed_t_interval(diff[one_sft])} if one_sft is not None else {})}
     return report
 
 
@@ -216,6 +230,16 @@ def markdown(report: dict) -> str:
                   + "; ".join(f"{a.upper()} − {base} {_ci(vs['accuracy_delta_one_sft'])}"
                               for a, vs in report["vs_baseline"].items() if "accuracy_delta_one_sft" in vs)
                   + " (t, seed pairs). Its gain over SFT is measured against the store's SFT model."]
+    contrasts = report.get("contrasts", {})
+    lines += [""] if contrasts else []
+    for key, c in contrasts.items():
+        a, b = (x.upper() for x in key.split("-"))
+        lines += [f"- {a} − {b} ({c['what']}): {_ci(c['accuracy_delta'])} (t, seed pairs), "
+                  f"{_ci(c['accuracy_delta_bootstrap'])} (bootstrap)"
+                  + (f", {_ci(c['accuracy_delta_cluster'])} (clustered)" if "accuracy_delta_cluster" in c else "")
+                  + "; per pair " + ", ".join(f"{x:+.3f}" for x in c["accuracy_delta_per_pair"])
+                  + (f"; one SFT model's pairs {_ci(c['accuracy_delta_one_sft'])}" if "accuracy_delta_one_sft" in c
+                     else "") + "."]
     lines += ["", "Gain over SFT: " + "; ".join(
         f"{a.upper()} {_ci(r['gain_over_sft'])} (t), {_ci(r['gain_over_sft_bootstrap'])} (bootstrap)"
         + (f", {_ci(r['gain_over_sft_cluster'])} (clustered)" if "gain_over_sft_cluster" in r else "")

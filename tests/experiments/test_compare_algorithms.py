@@ -233,6 +233,27 @@ def test_runs_from_another_sft_model_stay_in_and_a_one_model_sensitivity_is_give
     assert ca.other_start_runs(same, "a" * 64) == [] and "another SFT model" not in ca.markdown(rep2)
 
 
+def test_the_contrasts_between_arms_are_paired_differences_by_hand():
+    """ARPO − ARPO_W0 (does the entropy matter) over 2 pairs, computed by hand; no contrast without both arms."""
+    sft = [0] * 6
+    runs = {("grpo", 0): _result("grpo", 0, [0] * 6, 1.0), ("grpo", 1): _result("grpo", 1, [0] * 6, 1.0),
+            ("arpo", 0): _result("arpo", 0, [1, 1, 1, 0, 0, 0], 1.0), ("arpo", 1): _result("arpo", 1, [1, 0, 0, 0, 0, 0], 1.0),
+            ("arpo_w0", 0): _result("arpo_w0", 0, [1, 0, 0, 0, 0, 0], 1.0),
+            ("arpo_w0", 1): _result("arpo_w0", 1, [1, 1, 0, 0, 0, 0], 1.0)}
+    rep = ca.build_report(ca.eval_record(_eval_report(sft)), runs, ("grpo", "arpo", "arpo_w0"))
+    c = rep["contrasts"]["arpo-arpo_w0"]
+    d = [2 / 6, -1 / 6]
+    m, s = sum(d) / 2, math.sqrt(sum((x - sum(d) / 2) ** 2 for x in d))
+    assert c["accuracy_delta_per_pair"] == pytest.approx(d)
+    assert c["accuracy_delta"] == pytest.approx((m, m - 12.706 * s / math.sqrt(2), m + 12.706 * s / math.sqrt(2)))
+    assert list(rep["contrasts"]) == ["arpo-arpo_w0"]          # arpo_before_call never ran
+    md = ca.markdown(rep)
+    assert f"- ARPO − ARPO_W0 (does the entropy steer usefully" in md and "per pair +0.333, -0.167." in md
+    rep2 = ca.build_report(ca.eval_record(_eval_report(sft)), {k: v for k, v in runs.items() if k[0] != "arpo_w0"},
+                           ("grpo", "arpo"))
+    assert rep2["contrasts"] == {} and "ARPO_W0" not in ca.markdown(rep2)
+
+
 def test_a_run_on_other_questions_is_refused():
     other = _result("arpo", 0, [1] * 6, 1.0)
     other["eval"]["questions"] = list(reversed(QUESTIONS))
