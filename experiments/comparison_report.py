@@ -224,12 +224,13 @@ def markdown(report: dict) -> str:
         lines += ["", "Started from another SFT model than the store's (`" + report.get("sft_sha256", "?")[:12]
                   + "`), the same recipe retrained where it is not bit-identical ("
                   + ", ".join(f"`{s}`" for s in shas) + "): "
-                  + ", ".join(f"{r['algo']} pair {r['pair']} ({r['cpu']})" for r in others)
-                  + ". They stay in the primary interval above. Sensitivity, over the "
-                  + f"{len(one)} pair(s) whose every run started from the store's model ({', '.join(map(str, one))}): "
-                  + "; ".join(f"{a.upper()} − {base} {_ci(vs['accuracy_delta_one_sft'])}"
-                              for a, vs in report["vs_baseline"].items() if "accuracy_delta_one_sft" in vs)
-                  + " (t, seed pairs). Its gain over SFT is measured against the store's SFT model."]
+                  + ", ".join(f"{r['algo']} pair {r['pair']} ({r['cpu']})" for r in others) + "."
+                  + (" Their pairs stay in the primary interval above. Sensitivity, over the "
+                     f"{len(one)} pair(s) whose every run started from the store's model ({', '.join(map(str, one))}): "
+                     + "; ".join(f"{a.upper()} − {base} {_ci(vs['accuracy_delta_one_sft'])}"
+                                 for a, vs in report["vs_baseline"].items() if "accuracy_delta_one_sft" in vs)
+                     + " (t, seed pairs). Their gain over SFT is measured against the store's SFT model."
+                     if "one_sft_pairs" in report else " Their pair is not complete: no table holds them yet.")]
     contrasts = report.get("contrasts", {})
     lines += [""] if contrasts else []
     for key, c in contrasts.items():

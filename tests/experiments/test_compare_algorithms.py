@@ -226,6 +226,12 @@ def test_runs_from_another_sft_model_stay_in_and_a_one_model_sensitivity_is_give
     md = ca.markdown({**rep, "sft_sha256": "a" * 64, "other_start_runs": others})
     assert "arpo pair 2 (AVX-512 + AMX)" in md and "`bbbbbbbbbbbb`" in md and "over the 2 pair(s)" in md
     assert f"ARPO − GRPO {m:+.3f} [" in md
+    # the same run while its pair is not complete: named, in no table, no sensitivity
+    part = {k: r for k, r in runs.items() if k != ("grpo", 2)}
+    rep3 = ca.build_report(ca.eval_record(_eval_report(sft)), part, ("grpo", "arpo"), sft_sha="a" * 64)
+    md3 = ca.markdown({**rep3, "sft_sha256": "a" * 64, "other_start_runs": ca.other_start_runs(part, "a" * 64)})
+    assert rep3["pairs"] == [0, 1] and "one_sft_pairs" not in rep3
+    assert "arpo pair 2 (AVX-512 + AMX). Their pair is not complete" in md3 and "Sensitivity" not in md3
     # every run from the store's model: no sensitivity, nothing named
     same = {k: {**r, "sft_sha256": "a" * 64} for k, r in runs.items()}
     rep2 = ca.build_report(ca.eval_record(_eval_report(sft)), same, ("grpo", "arpo"), sft_sha="a" * 64)
