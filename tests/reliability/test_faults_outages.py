@@ -162,4 +162,8 @@ def test_a_run_whose_tool_never_answers_stops_with_exit_6_naming_it(tool_model_d
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("[verl_arpo] tool outage at step 1:") and "python (" in last and "(exit 6)" in last, \
         proc.stderr[-3000:]
-    assert "Last checkpoint: none" in last and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # the driver prints no traceback; a Ray worker that the stop's SIGTERM catches inside a weakref
+    # callback prints Ray's own "Exception ignored ... sigterm_handler" lines (prefixed with its actor
+    # name), which say nothing about the outage's handling (seen once in a loaded suite, 2026-12-06)
+    driver = [ln for ln in proc.stderr.splitlines() if "ActorRolloutRefWorker pid=" not in ln]
+    assert "Last checkpoint: none" in last and not any("Traceback" in ln for ln in driver), proc.stderr[-3000:]
