@@ -419,12 +419,12 @@ def write_report(store: Store, targets: list[Path], algos: tuple[str, ...], meta
         by_q = templates_of(protocol.eval_data)
         sft_eval["templates"] = [by_q.get(q, "?") for q in sft_eval["questions"]]
     frozen = store.root / "protocol.json"
-    report = {**build_report(sft_eval, store.runs(), algos, sft["sft_sha256"]), **meta,
-              "other_start_runs": other_start_runs(store.runs(), sft["sft_sha256"]), "precision": sft["precision"],
+    runs = store.runs()   # every stored record, read once
+    report = {**build_report(sft_eval, runs, algos, sft["sft_sha256"]), **meta, "precision": sft["precision"],
               "sft_sha256": sft["sft_sha256"], "protocol": protocol.store,
               "config_sha256": json.loads(frozen.read_text())["config_sha256"] if frozen.exists() else None,
               "amendments": json.loads(frozen.read_text()).get("amendments", []) if frozen.exists() else [],
-              "runs_by_config": runs_by_config(store.runs()), "resumed_runs": resumed_runs(store.runs())}
+              "runs_by_config": runs_by_config(runs), "resumed_runs": resumed_runs(runs)}
     md = markdown(report)
     for d in targets:
         d.mkdir(parents=True, exist_ok=True)

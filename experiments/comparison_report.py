@@ -143,7 +143,8 @@ def build_report(sft: dict, runs: dict[tuple[str, int], dict], algos: tuple[str,
             "reward_curves": {str(r["pair"]): r["train"]["per_step"]["reward"] for r in rs}}
     one_sft = None
     if sft_sha is not None:
-        other = {p for p in pairs for a in algos if runs[(a, p)].get("sft_sha256", sft_sha) != sft_sha}
+        report["other_start_runs"] = other_start_runs(runs, sft_sha)
+        other = {r["pair"] for r in report["other_start_runs"] if r["algo"] in algos} & set(pairs)
         if other:
             report["one_sft_pairs"] = [p for p in pairs if p not in other]
             one_sft = [i for i, p in enumerate(pairs) if p not in other]
