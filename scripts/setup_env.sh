@@ -76,6 +76,23 @@ _install() {
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true
 }
 
+# Bytecode, once, where Python may not write it itself. With PYTHONDONTWRITEBYTECODE set (the variable of
+# this workplace's machines, and of many containers) every process compiles torch's and transformers'
+# sources again: 13 s of imports where 5.6 s read compiled files, in each of the quickstart's stages,
+# its Ray workers and every test's subprocess (docs/performance.md, "Set-up from a bare machine").
+# compileall writes the .pyc files explicitly (the variable only stops the import system from writing),
+# ~30 s on 2 cores, once per install: the marker holds the install's stamp. Without the variable Python
+# writes what it imports on first use, so nothing is done.
+_compile_bytecode() {
+  local stamp="$1"
+  [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] || return 0
+  [ "$(cat "$VENV/.verl_arpo_bytecode" 2>/dev/null)" = "$stamp" ] && return 0
+  local site; site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  _log "compiling the environment's bytecode once (PYTHONDONTWRITEBYTECODE is set: no process would write it)"
+  "$VENV/bin/python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true  # a file that does not compile stays source
+  echo "$stamp" >"$VENV/.verl_arpo_bytecode"
+}
+
 setup_env() {
   _installer_name >/dev/null || return 1
   _apt_install bwrap:bubblewrap
@@ -101,6 +118,7 @@ setup_env() {
       { _log "package install failed"; return 1; }
     echo "$stamp_want" >"$VENV/.verl_arpo_stamp"
   fi
+  _compile_bytecode "$stamp_want"
 }
 
 # The reference verl, for the numerical parity test only (tests/algos/test_against_verl.py). --no-deps:

@@ -97,3 +97,37 @@ def test_an_unknown_installer_is_refused_by_name_before_anything_is_made(tmp_pat
     assert r.returncode != 0
     assert "VERL_ARPO_INSTALLER=conda: set it to uv or pip" in r.stderr, r.stderr[-2000:]
     assert not venv.exists()
+
+
+def _compile(venv: Path, stamp: str, dont_write: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VERL_ARPO_VENV=str(venv), **({"PYTHONDONTWRITEBYTECODE": "1"} if dont_write else {}))
+    r = subprocess.run(["bash", "-c", f"set -euo pipefail; source scripts/setup_env.sh; _compile_bytecode {stamp}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_bytecode_is_compiled_once_per_install_only_where_python_would_not_write_it(bare_venv):
+    """With PYTHONDONTWRITEBYTECODE set, every process would compile the environment's sources again:
+    setup_env compiles them once per install (the stamp). Without it, Python writes on first import."""
+    site = Path(subprocess.run([str(bare_venv / "bin" / "python"), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+    def probe(name: str) -> Path:
+        (site / f"{name}.py").write_text("VALUE = 1\n")
+        return site / "__pycache__" / f"{name}.cpython-{sys.version_info.major}{sys.version_info.minor}.pyc"
+
+    unset = probe("verl_arpo_probe_unset")
+    _compile(bare_venv, "stamp1", dont_write=False)
+    assert not unset.exists() and not (bare_venv / ".verl_arpo_bytecode").exists()
+
+    first = probe("verl_arpo_probe_first")
+    _compile(bare_venv, "stamp1", dont_write=True)
+    assert first.exists() and (bare_venv / ".verl_arpo_bytecode").read_text().strip() == "stamp1"
+
+    later = probe("verl_arpo_probe_later")  # the same install: nothing is compiled again
+    _compile(bare_venv, "stamp1", dont_write=True)
+    assert not later.exists()
+    _compile(bare_venv, "stamp2", dont_write=True)  # a new install (new stamp) is compiled
+    assert later.exists() and (bare_venv / ".verl_arpo_bytecode").read_text().strip() == "stamp2"
