@@ -97,6 +97,9 @@ run async_rollout benchmarks/bench_async_rollout.py --engine hf $(q --quick)
 # 12. the training step's attention kernels on the same packed micro-batches (this device; GPU rows: gpu_check.sh)
 run train_attention benchmarks/bench_train_attention.py $(q --quick)
 
+# 13. the decode step's kernels: bf16 against fp32 linears and decode attention, and whether a batch's row count changes a row's bits
+run decode_kernels benchmarks/bench_decode_kernels.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

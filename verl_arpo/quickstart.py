@@ -1,7 +1,7 @@
 """The main job on the embedded default: a real small model learns to use tools, on a CPU.
 
     bash scripts/quickstart.sh            # = python -m verl_arpo.quickstart (after setting up .venv)
-    bash scripts/quickstart.sh --smoke    # ~5 minutes: the same stages at a small per-step shape (SMOKE)
+    bash scripts/quickstart.sh --smoke    # ~3.5 minutes from a fresh clone: the same stages at a small per-step shape (SMOKE)
     bash scripts/quickstart.sh --tiny     # the random tiny model instead of SmolLM2 (plumbing check)
     bash scripts/quickstart.sh --out outputs/qs2 data.train_batch_size=9   # Hydra overrides of the RL stage
 
@@ -109,13 +109,13 @@ nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool
 answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
     ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
-    ("bf16", False): {"eval base": 90, "sft": 541, "eval sft": 300, "rl": 752, "merge": 15, "eval rl": 300},
+    ("bf16", False): {"eval base": 114, "sft": 407, "eval sft": 348, "rl": 868, "merge": 18, "eval rl": 461},
     ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
     ("bf16", True): {"eval base": 17, "sft": 15, "eval sft": 17, "rl": 58, "merge": 9, "eval rl": 18},
 }
-"""Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
-(precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The bf16
-smoke row is the fp32 smoke's measurement scaled by the older bf16/fp32 smoke ratio (no bf16 machine
+"""Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"; the
+full bf16 row: an idle AMX Xeon, 2026-12-06), by (precision, --smoke): the time-left estimate scales them by
+this machine's pace (`time_left`). The bf16 smoke row is the fp32 smoke's measurement scaled by the older bf16/fp32 smoke ratio (no bf16 machine
 measured the current smoke shape)."""
 
 

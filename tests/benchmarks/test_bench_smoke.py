@@ -141,6 +141,7 @@ SMOKES = {
     "async_rollout_hf": ["bench_async_rollout.py", "--quick"],
     "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7,8"],
     "sequence_parallel": ["bench_sequence_parallel.py", "--quick"],
+    "decode_kernels": ["bench_decode_kernels.py", "--quick"],
 }
 
 
