@@ -111,12 +111,11 @@ EXPECTED_SECONDS = {
     ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
     ("bf16", False): {"eval base": 114, "sft": 407, "eval sft": 348, "rl": 868, "merge": 18, "eval rl": 461},
     ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
-    ("bf16", True): {"eval base": 17, "sft": 15, "eval sft": 17, "rl": 58, "merge": 9, "eval rl": 18},
+    ("bf16", True): {"eval base": 13, "sft": 19, "eval sft": 15, "rl": 53, "merge": 8, "eval rl": 14},
 }
-"""Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"; the
-full bf16 row: an idle AMX Xeon, 2026-12-06), by (precision, --smoke): the time-left estimate scales them by
-this machine's pace (`time_left`). The bf16 smoke row is the fp32 smoke's measurement scaled by the older bf16/fp32 smoke ratio (no bf16 machine
-measured the current smoke shape)."""
+"""Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
+(precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The fp32
+rows: an AVX2 EPYC; the bf16 rows: an idle AMX Xeon (2026-12-06; the smoke with compiled bytecode)."""
 
 
 def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:
