@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import machine_info, print_table, summary_entry, write_json  # noqa: E402
+from bench_common import machine_info, median, print_table, summary_entry, write_json  # noqa: E402
 
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 LAYER_LINEARS = [(HIDDEN, HEADS * HEAD_DIM), (HIDDEN, KV_HEADS * HEAD_DIM), (HIDDEN, KV_HEADS * HEAD_DIM),
@@ -44,7 +44,7 @@ def layer_flops(rows: int) -> int:
     return 2 * rows * sum(i * o for i, o in LAYER_LINEARS)
 
 
-def best_seconds(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
     """Median seconds of `reps` calls after two warm-up calls."""
     fn(), fn()
     times = []
@@ -52,14 +52,14 @@ def best_seconds(fn, reps: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def time_layer_linears(rows: int, dtype: torch.dtype, reps: int) -> float:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g).to(dtype) for i, o in LAYER_LINEARS]
     inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for i, _ in LAYER_LINEARS}
-    return best_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], reps)
+    return median_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], reps)
 
 
 def time_decode_attention(rows: int, cached: int, dtype: torch.dtype, reps: int) -> tuple[float, float]:
@@ -72,10 +72,10 @@ def time_decode_attention(rows: int, cached: int, dtype: torch.dtype, reps: int)
     v = torch.randn(rows, KV_HEADS, cached, HEAD_DIM, generator=g).to(dtype)
     mask = torch.ones(rows, 1, 1, cached, dtype=torch.bool)
     mask[:, :, :, : cached // 10] = False   # left padding, as a batch of different lengths has
-    whole = best_seconds(lambda: grouped_decode_attention(None, q, k, v, mask), reps)
+    whole = median_seconds(lambda: grouped_decode_attention(None, q, k, v, mask), reps)
     qg = q.reshape(rows, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
     p = torch.softmax(torch.matmul(qg, k.transpose(-1, -2)).float(), -1).to(dtype)
-    matmuls = best_seconds(lambda: (torch.matmul(qg, k.transpose(-1, -2)), torch.matmul(p, v)), reps)
+    matmuls = median_seconds(lambda: (torch.matmul(qg, k.transpose(-1, -2)), torch.matmul(p, v)), reps)
     return whole, matmuls
 
 
