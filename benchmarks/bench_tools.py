@@ -5,6 +5,13 @@
 2. Search cache: per-write and per-hit latency at 1k / 10k / 100k entries for our SQLite (WAL)
    cache vs the reference's JSON cache (dict in memory + the whole file rewritten per write),
    plus the start-up cost (reference: json.load of the file; ours: opening the database).
+3. Launching from a large host (under root only, where the sandbox drops to uid 65534): from a
+   process holding ``--host_mb`` of written memory (an evaluator or rollout worker holds GBs), each
+   call of the Python tool followed by one write to every page of the host, launched through
+   util-linux's setpriv (ours: CPython can vfork) against ``Popen(user=...)`` (a fork of the host).
+   Reported: seconds a call costs the host in all (the call and the faults its writes take after
+   it), the write's own seconds against a write with no call before it, and the host's minor page
+   faults per call (docs/performance.md, "Launching a tool without forking the host").
 
 Each cache entry is ~1 KB (a formatted result with a few pages). Write latency is measured at a
 given size: the cache is pre-filled to N entries, then K single writes are timed (K is smaller for
@@ -20,6 +27,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from verl_arpo.workers.rollout.tools import sandbox  # noqa: E402
 from verl_arpo.workers.rollout.tools.cache import SearchCache  # noqa: E402
 from verl_arpo.workers.rollout.tools.python_tool import DEFAULT_PYTHON, PythonTool, bwrap_available  # noqa: E402
 
@@ -64,6 +73,57 @@ def bench_python(n: int) -> list:
     for threads in (1, 2):
         for name, fn in variants:
             rows.append({"variant": name, "threads": threads, "exec_per_s": _rate(fn, n, threads)})
+    return rows
+
+
+def bench_launch(host_mb: int, calls: int) -> list:
+    """Per call of the default-sandbox Python tool from a host holding `host_mb` of written memory:
+    the call's seconds, the seconds of the host's next write to each of its pages (the faults a fork
+    leaves behind), and the host's minor page faults, setpriv launch against Popen's own uid drop."""
+    import resource
+
+    if sandbox.drop_to() is None:
+        print("launch from a large host: skipped (not root: no uid drop, CPython vforks either way)")
+        return []
+    if sandbox.setpriv_path() is None:
+        print("launch from a large host: skipped (no setpriv here: every launch forks)")
+        return []
+    host = bytearray(host_mb << 20)
+    pages = len(range(0, len(host), 4096))
+
+    def write_pages(value: int) -> float:
+        t = time.perf_counter()
+        host[::4096] = bytes([value]) * pages
+        return time.perf_counter() - t
+
+    tool = PythonTool(sandbox="auto" if bwrap_available() else "none", timeout=30)
+    real_setpriv_path = sandbox.setpriv_path
+    rows = []
+    try:
+        for name, finder in (("no call (baseline write)", None), ("setpriv (ours)", real_setpriv_path),
+                             ("Popen(user=) (fork)", lambda: None)):
+            write_pages(1)
+            call_s, write_s = [], []
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for i in range(calls):
+                if finder is not None:
+                    sandbox.setpriv_path = finder
+                    t = time.perf_counter()
+                    assert tool.run(CODE).strip()
+                    call_s.append(time.perf_counter() - t)
+                write_s.append(write_pages(i % 250 + 2))
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+            rows.append({"variant": name, "host_mb": host_mb, "calls": calls,
+                         "call_s": statistics.median(call_s) if call_s else 0.0,
+                         "write_s": statistics.median(write_s), "minor_faults_per_call": faults / calls})
+    finally:
+        sandbox.setpriv_path = real_setpriv_path
+    base = rows[0]["write_s"]
+    for r in rows:
+        r["host_s_per_call"] = r["call_s"] + r["write_s"] - base
+    fork = rows[2]["host_s_per_call"]
+    for r in rows:
+        r["speedup_vs_fork"] = fork / r["host_s_per_call"] if r["host_s_per_call"] > 0 else None
     return rows
 
 
@@ -153,14 +213,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tools.json")
+    ap.add_argument("--host_mb", type=int, default=None,
+                    help="written memory of the host the launch is measured from (default 4096; --quick 256)")
     args = ap.parse_args()
     sizes = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
     n_exec = 10 if args.quick else 40
+    host_mb = args.host_mb or (256 if args.quick else 4096)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_tools_"))
     try:
         py_rows = bench_python(n_exec)
         cache_rows = bench_cache(sizes, writes=500, hits=2000, tmp=tmp)
+        launch_rows = bench_launch(host_mb, 4 if args.quick else 12)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -182,8 +246,16 @@ def main() -> None:
               f"{r['json_load_ms']:14.1f}ms")
     print("(JSON write: measured over the number of writes in parentheses, none extrapolated)")
 
+    if launch_rows:
+        print(f"\nPython tool launched from a host holding {host_mb} MB of written memory (per call; lower is better)")
+        print(f"{'variant':26s} {'call':>8s} {'next write':>11s} {'host cost':>10s} {'faults':>9s} {'vs fork':>8s}")
+        for r in launch_rows:
+            ratio = f"{r['speedup_vs_fork']:7.1f}x" if r["speedup_vs_fork"] else "      --"
+            print(f"{r['variant']:26s} {r['call_s'] * 1e3:6.1f}ms {r['write_s'] * 1e3:9.1f}ms "
+                  f"{r['host_s_per_call'] * 1e3:8.1f}ms {r['minor_faults_per_call']:9.0f} {ratio}")
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"python": py_rows, "cache": cache_rows,
+    result = {"python": py_rows, "cache": cache_rows, "launch": launch_rows,
               "meta": {"bwrap": bwrap_available(), "cpus": os.cpu_count(), "python": platform.python_version(),
                        "kernel": platform.release(), "quick": args.quick,
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S")}}

@@ -65,6 +65,12 @@ def adapt_tools(d) -> list[dict]:
     out.append(summary_entry(f"search-cache hit at {big['entries']:,} entries: in-memory dict / SQLite, µs",
                              big["sqlite_hit_us"], big["json_hit_us"], big["json_hit_us"] / big["sqlite_hit_us"], None,
                              note="a dict lookup is faster; ours stays well under a search call's cost"))
+    launch = {r["variant"]: r for r in d.get("launch") or []}
+    ours, fork = launch.get("setpriv (ours)"), launch.get("Popen(user=) (fork)")
+    if ours and fork:
+        out.append(summary_entry(f"Python tool from a host of {ours['host_mb']} MB: host seconds a call, "
+                                 "setpriv launch / Popen(user=) fork", ours["host_s_per_call"],
+                                 fork["host_s_per_call"], ours["speedup_vs_fork"], 1.0))
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_arpo.workers.rollout.tools import sandbox
 from verl_arpo.workers.rollout.tools.python_tool import PythonTool, bwrap_available
 
 BWRAP = bwrap_available()
@@ -110,6 +111,64 @@ def test_root_home_unreadable(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_runs_as_unprivileged_user(mode):
     assert tool(mode).execute("import os; (os.getuid(), os.getgid(), os.getgroups())") == "(65534, 65534, [])\n"
+
+
+LAUNCHERS = [pytest.param("setpriv", marks=pytest.mark.skipif(sandbox.setpriv_path() is None,
+                                                                reason="util-linux's setpriv is not installed")),
+             "popen"]
+
+
+def _launch_with(launcher, monkeypatch):
+    if launcher == "popen":  # what runs where setpriv is missing: Popen's own uid drop
+        monkeypatch.setattr(sandbox, "setpriv_path", lambda: None)
+
+
+@needs_root
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_uid_drop_leaves_no_id_group_or_capability_of_root(launcher, monkeypatch):
+    """Both ways of starting the sandbox as 65534 give the same process: real, effective, saved and
+    filesystem uid and gid 65534, no supplementary group, no capability (read from the kernel's
+    /proc/self/status of the launched program)."""
+    _launch_with(launcher, monkeypatch)
+    rc, out, err, timed_out, _ = sandbox.run_bounded(["/bin/cat", "/proc/self/status"], b"", "/", 20, 1 << 20)
+    assert rc == 0 and not timed_out, err
+    status = {k: v.split() for k, v in (line.split(":", 1) for line in out.decode().splitlines())}
+    assert status["Uid"] == ["65534"] * 4 and status["Gid"] == ["65534"] * 4
+    assert status["Groups"] == []
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert int(status[caps][0], 16) == 0, (caps, status[caps])
+
+
+@needs_root
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_tool_call_forks_the_host_only_without_setpriv(launcher, monkeypatch):
+    """A fork marks every page of the host copy-on-write, so the host's next write to each page
+    faults once; a vfork (what CPython does when Popen changes no ids: the setpriv launch) leaves
+    the host's pages alone. Counted with the kernel's minor-fault counter of this process."""
+    import resource
+
+    _launch_with(launcher, monkeypatch)
+    host = bytearray(64 << 20)
+    pages = len(range(0, len(host), 4096))
+    host[::4096] = b"\1" * pages                   # every page written once before the call
+    t = tool("bwrap" if BWRAP else "none")
+    assert t.execute("print(6 * 7)") == "42\n"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    host[::4096] = b"\2" * pages
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    if launcher == "setpriv":
+        assert faults < pages // 4, faults
+    else:
+        assert faults > pages // 2, faults
+
+
+@needs_root
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_code_runs_as_nobody_whichever_launcher(mode, launcher, monkeypatch):
+    _launch_with(launcher, monkeypatch)
+    assert tool(mode).execute("import os; (os.getresuid(), os.getresgid(), os.getgroups())") == \
+        "((65534, 65534, 65534), (65534, 65534, 65534), [])\n"
 
 
 @needs_bwrap

@@ -409,9 +409,16 @@ class HFEngine(EngineWeights, InferenceEngine):
 
     def _extract(self, batch: Batch, i: int, tokens: list[int]) -> KV:
         """Copy row i's real positions out of the batch cache (to CPU memory)."""
-        sel = batch.mask[i].bool()
-        keys = [layer.keys[i][:, sel].to("cpu") for layer in batch.cache.layers]
-        values = [layer.values[i][:, sel].to("cpu") for layer in batch.cache.layers]
+        pos = batch.mask[i].nonzero()[:, 0]
+        a, b = (int(pos[0]), int(pos[-1]) + 1) if len(pos) else (0, 0)
+        if b - a == len(pos):   # one run of real positions (the usual case): a plain copy of it
+            def take(t):
+                return t[i, :, a:b].to("cpu", copy=True)
+        else:                   # padding in the middle (rows merged from several prefills)
+            def take(t):
+                return t[i].index_select(1, pos).to("cpu")
+        keys = [take(layer.keys) for layer in batch.cache.layers]
+        values = [take(layer.values) for layer in batch.cache.layers]
         if keys and keys[0].shape[1] != len(tokens):
             raise RuntimeError(f"HFEngine internal error: {keys[0].shape[1]} cached positions for "
                                f"{len(tokens)} tokens")

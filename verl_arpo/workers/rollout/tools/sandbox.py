@@ -10,7 +10,9 @@ What is covered:
   and /dev/shm are private size-limited tmpfs that disappear with the call. /root, /home, /work, /etc are absent.
 - Secrets: the child gets a fixed minimal environment, never the host's; other processes are
   invisible (own PID namespace, own /proc).
-- Privileges: when the host runs as root, the sandbox runs as uid/gid 65534 with no capabilities.
+- Privileges: when the host runs as root, the sandbox runs as uid/gid 65534 with no capabilities
+  and no supplementary groups (dropped by util-linux's ``setpriv`` right after the launch, or by
+  ``Popen`` itself where setpriv is missing: `as_user`).
 - Resources: rlimits on address space (memory_mb), CPU seconds, processes (counted inside the
   sandbox's own user namespace, so one fork bomb does not starve other sandboxes), file size and
   open files; wall-clock timeout kills the whole sandbox (PID namespace + --die-with-parent); output
@@ -233,6 +235,35 @@ def drop_to() -> int | None:
     return SANDBOX_UID if os.geteuid() == 0 else None
 
 
+# Only system directories: the host's PATH does not choose the binary that drops root.
+_SETPRIV_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+def setpriv_path() -> str | None:
+    """util-linux's setpriv (in every Debian/Ubuntu/Fedora base system), or None."""
+    return shutil.which("setpriv", path=_SETPRIV_PATH)
+
+
+def as_user(argv: list[str], uid: int | None) -> tuple[list[str], dict]:
+    """The argv and `subprocess.Popen` keywords that start `argv` as `uid` and its group, with no
+    supplementary groups (`uid` None: as ourselves, unchanged).
+
+    Why setpriv: `Popen(user=...)` changes the ids between fork and exec, so CPython must fork
+    instead of vfork. Forking the evaluator or a rollout worker (GBs of memory) copies its page
+    tables and makes every page the host writes afterwards fault once: at 4 GB, 0.11 s for the
+    launch and another ~0.3 s of faults, at every tool call (docs/performance.md, "Launching a tool
+    without forking the host"). `setpriv --reuid --regid --clear-groups` makes the same drop
+    (setgroups([]), setresgid, setresuid: real, effective and saved ids; the kernel then clears
+    root's capabilities) in the launched process before it execs `argv`, so the host's Popen changes
+    nothing in the child and vforks. Where setpriv is missing, Popen's own drop (a fork) is used."""
+    if uid is None:
+        return list(argv), {}
+    setpriv = setpriv_path()
+    if setpriv is None:
+        return list(argv), {"user": uid, "group": uid, "extra_groups": []}
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv], {}
+
+
 def bwrap_available() -> bool:
     """Probe once per process whether bubblewrap actually works here (not just installed)."""
     global _probe_result, _probe_reason
@@ -241,11 +272,10 @@ def bwrap_available() -> bool:
             exe = shutil.which("bwrap")
             ok = False
             if exe:
-                argv = [exe] + bwrap_system_args(64 << 20, []) + [DEFAULT_PYTHON, "-c", "pass"]
-                uid = drop_to()
+                argv, as_kw = as_user([exe] + bwrap_system_args(64 << 20, []) + [DEFAULT_PYTHON, "-c", "pass"],
+                                      drop_to())
                 try:
-                    r = subprocess.run(argv, env=dict(CHILD_ENV), capture_output=True, timeout=20,
-                                       user=uid, group=uid, extra_groups=[] if uid is not None else None)
+                    r = subprocess.run(argv, env=dict(CHILD_ENV), capture_output=True, timeout=20, **as_kw)
                     ok = r.returncode == 0
                     if not ok:
                         _probe_reason = r.stderr.decode(errors="replace").strip()[:300] or f"exit {r.returncode}"
@@ -317,13 +347,12 @@ def run_bounded(argv: list[str], stdin: bytes, cwd: str, timeout: float,
     processes holding it are killed once the launcher is gone: a setsid() daemon can neither outlive
     the call nor hold its pipes open until the timeout.
     """
-    uid = drop_to()
     token = secrets.token_hex(8) if track_orphans else ""
     env = dict(CHILD_ENV, **({MARKER: token} if token else {}))
+    launch, as_kw = as_user(argv, drop_to())
     proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-        env=env, start_new_session=True, close_fds=True,
-        user=uid, group=uid, extra_groups=[] if uid is not None else None,
+        launch, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+        env=env, start_new_session=True, close_fds=True, **as_kw,
     )
     out, err = bytearray(), bytearray()
     timed_out = overflow = False
