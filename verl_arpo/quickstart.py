@@ -109,13 +109,14 @@ nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool
 answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
     ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
-    ("bf16", False): {"eval base": 114, "sft": 407, "eval sft": 348, "rl": 868, "merge": 18, "eval rl": 461},
+    ("bf16", False): {"eval base": 93, "sft": 401, "eval sft": 240, "rl": 583, "merge": 5, "eval rl": 228},
     ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
     ("bf16", True): {"eval base": 13, "sft": 19, "eval sft": 15, "rl": 53, "merge": 8, "eval rl": 14},
 }
 """Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
 (precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The fp32
-rows: an AVX2 EPYC; the bf16 rows: an idle AMX Xeon (2026-12-06; the smoke with compiled bytecode)."""
+rows: an AVX2 EPYC; the bf16 rows: an idle AMX Xeon (2026-12-06: the smoke with compiled bytecode, the full
+run with the tool launch that does not fork)."""
 
 
 def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:

@@ -118,3 +118,30 @@ def test_engine_outputs_are_bit_identical_to_a_concatenating_cache(model, tiny_t
     got = _rounds(roomy, tiny_tokenizer, prompts, continuous)
     assert roomy.kv_room > 0 and roomy.stats["shared_prefix_tokens"] > 0
     assert got == plain            # exact: the same values reach the same kernels
+
+
+@pytest.mark.parametrize("mask_row", [[0, 0, 1, 1, 1, 1, 1],    # one run of real positions
+                                      [0, 1, 1, 0, 0, 1, 1],    # padding in the middle (merged prefills)
+                                      [1, 1, 1, 1, 1, 1, 1]])
+def test_a_finished_rows_kv_is_a_copy_of_its_real_positions(model, tiny_tokenizer, mask_row):
+    """`_extract` against the boolean selection of the row's real positions (a plain reference), and
+    a copy: the stored entry neither changes with the batch's buffer nor keeps it alive."""
+    from types import SimpleNamespace
+
+    from verl_arpo.workers.rollout.engines.hf_requests import Batch
+
+    layers = [SimpleNamespace(keys=_kv(3, 7, s)[0], values=_kv(3, 7, s)[1]) for s in (1, 2)]
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1], mask_row, [1, 0, 1, 0, 1, 0, 1]])
+    batch = Batch([], SimpleNamespace(layers=layers), mask, torch.zeros(3, dtype=torch.long))
+    eng = HFEngine(model, tiny_tokenizer)
+    n = sum(mask_row)
+    kv = eng._extract(batch, 1, list(range(n)))
+    for layer, k, v in zip(layers, kv.keys, kv.values):
+        sel = mask[1].bool()
+        assert torch.equal(k, layer.keys[1][:, sel]) and torch.equal(v, layer.values[1][:, sel])
+        assert k.untyped_storage().data_ptr() != layer.keys.untyped_storage().data_ptr()
+    want = kv.keys[0].clone()
+    layers[0].keys.zero_()
+    assert torch.equal(kv.keys[0], want)
+    with pytest.raises(RuntimeError, match="internal error"):
+        eng._extract(batch, 1, list(range(n + 1)))
