@@ -145,10 +145,13 @@ def test_a_tool_call_forks_the_host_only_without_setpriv(launcher, monkeypatch):
     """A fork marks every page of the host copy-on-write, so the host's next write to each page
     faults once; a vfork (what CPython does when Popen changes no ids: the setpriv launch) leaves
     the host's pages alone. Counted with the kernel's minor-fault counter of this process."""
+    import mmap
     import resource
 
     _launch_with(launcher, monkeypatch)
-    host = bytearray(64 << 20)
+    host = mmap.mmap(-1, 64 << 20)      # anonymous memory, like the tensors of a model
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages: a huge page could take one fault for 512
+        host.madvise(mmap.MADV_NOHUGEPAGE)
     pages = len(range(0, len(host), 4096))
     host[::4096] = b"\1" * pages                   # every page written once before the call
     t = tool("bwrap" if BWRAP else "none")
