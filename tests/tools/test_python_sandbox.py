@@ -149,7 +149,8 @@ def test_a_tool_call_forks_the_host_only_without_setpriv(launcher, monkeypatch):
     import resource
 
     _launch_with(launcher, monkeypatch)
-    host = mmap.mmap(-1, 64 << 20)      # anonymous memory, like the tensors of a model
+    # private anonymous memory, like a model's tensors (a shared mapping is not copied on write)
+    host = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages: a huge page could take one fault for 512
         host.madvise(mmap.MADV_NOHUGEPAGE)
     pages = len(range(0, len(host), 4096))
