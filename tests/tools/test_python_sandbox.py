@@ -175,6 +175,23 @@ def test_the_code_runs_as_nobody_whichever_launcher(mode, launcher, monkeypatch)
         "((65534, 65534, 65534), (65534, 65534, 65534), [])\n"
 
 
+@needs_root
+@pytest.mark.parametrize("mode", MODES)
+def test_a_uid_drop_that_fails_is_a_tool_error_not_the_codes_output(mode, monkeypatch, tmp_path):
+    """Where setpriv cannot drop root (a container without CAP_SETUID), the call raises the
+    executor's retryable ToolError naming it, instead of returning setpriv's complaint as if the
+    model's code had printed it. A stand-in setpriv fails as util-linux's does (exit 127)."""
+    from verl_arpo.workers.rollout.tools.base_tool import ToolError
+
+    fake = tmp_path / "setpriv"
+    fake.write_text("#!/bin/sh\necho 'setpriv: setresuid failed: Operation not permitted' >&2\nexit 127\n")
+    fake.chmod(0o755)
+    t = tool(mode)                     # built (and bwrap probed) with the real setpriv
+    monkeypatch.setattr(sandbox, "setpriv_path", lambda: str(fake))
+    with pytest.raises(ToolError, match="sandbox failed to start: setpriv: setresuid failed"):
+        t.run("print(1)")
+
+
 @needs_bwrap
 def test_filesystem_view_is_minimal():
     top = eval(tool("bwrap").execute("import os; sorted(os.listdir('/'))"))

@@ -158,6 +158,9 @@ class PythonTool(BaseTool):
         if use_bwrap and rc == 1 and err.startswith(b"bwrap:"):
             # the sandbox itself failed to start (e.g. EAGAIN under load): worth a retry
             raise ToolError("sandbox failed to start: " + err.decode("utf-8", "replace").strip()[:300])
+        if rc in (126, 127) and err.startswith(b"setpriv:"):
+            # the uid drop, or the exec after it, failed (sandbox.as_user): not the code's doing
+            raise ToolError("sandbox failed to start: " + err.decode("utf-8", "replace").strip()[:300])
         return self._format(rc, out, err, timed_out, overflow, signal_base=128 if use_bwrap else None)
 
     def _format(self, rc, out: bytes, err: bytes, timed_out: bool, overflow: bool, signal_base) -> str:
