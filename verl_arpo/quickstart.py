@@ -1,7 +1,7 @@
 """The main job on the embedded default: a real small model learns to use tools, on a CPU.
 
     bash scripts/quickstart.sh            # = python -m verl_arpo.quickstart (after setting up .venv)
-    bash scripts/quickstart.sh --smoke    # ~3.5 minutes from a fresh clone: the same stages at a small per-step shape (SMOKE)
+    bash scripts/quickstart.sh --smoke    # 2-4 minutes from a fresh clone: the same stages at a small per-step shape (SMOKE)
     bash scripts/quickstart.sh --tiny     # the random tiny model instead of SmolLM2 (plumbing check)
     bash scripts/quickstart.sh --out outputs/qs2 data.train_batch_size=9   # Hydra overrides of the RL stage
 
