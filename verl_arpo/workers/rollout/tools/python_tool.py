@@ -155,11 +155,9 @@ class PythonTool(BaseTool):
         finally:
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
-        if use_bwrap and rc == 1 and err.startswith(b"bwrap:"):
-            # the sandbox itself failed to start (e.g. EAGAIN under load): worth a retry
-            raise ToolError("sandbox failed to start: " + err.decode("utf-8", "replace").strip()[:300])
-        if rc in (126, 127) and err.startswith(b"setpriv:"):
-            # the uid drop, or the exec after it, failed (sandbox.as_user): not the code's doing
+        # The sandbox itself failed to start, not the code: bubblewrap (e.g. EAGAIN under load), or the
+        # uid drop or the exec after it (setpriv's exit 126/127: sandbox.as_user). Worth a retry.
+        if (use_bwrap and rc == 1 and err.startswith(b"bwrap:")) or (rc in (126, 127) and err.startswith(b"setpriv:")):
             raise ToolError("sandbox failed to start: " + err.decode("utf-8", "replace").strip()[:300])
         return self._format(rc, out, err, timed_out, overflow, signal_base=128 if use_bwrap else None)
 
