@@ -49,24 +49,27 @@ def say(message: str) -> None:
 
 
 def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool = False) -> None:
-    """Run one stage's command with its output in `log`; a failure exits with the log's tail."""
+    """Run one stage's command with its output in `log`; a failure exits with the log's tail. Its CPU
+    threads spin briefly while they wait if the machine is idle as it starts, else sleep
+    (utils/threads.py: docs/performance.md, "Threads on a busy machine")."""
     log.parent.mkdir(parents=True, exist_ok=True)
     say(f"{log.stem}: started (log: {log})")
     t0 = time.perf_counter()
     with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        env = {**(env or {}), **cpu_thread_env(env)}
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
     say(f"{log.stem}: {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s")
     if rc != 0:
         tail = "".join(open(log).readlines()[-40:])
         raise SystemExit(f"[quickstart] stage failed (exit {rc}); log: {log}\n{tail}")
 
 
-# The environment every stage's subprocess runs with: offline, unbuffered, no usage reporting, CPU
-# threads that sleep while they wait (a busy machine: docs/performance.md, "Threads on a busy machine").
+# The environment every stage's subprocess runs with: offline, unbuffered, no usage reporting (run_logged
+# adds how CPU threads wait, chosen when the stage starts).
 STAGE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-             "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **cpu_thread_env()}
+             "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 # The three algorithms are switches on one trainer (docs/algorithms.md): configs/quickstart.yaml is
 # ARPO; GRPO samples n independent trajectories; AEPO adds its rollout and loss switches to ARPO's.

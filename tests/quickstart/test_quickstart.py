@@ -159,3 +159,22 @@ def test_the_base_model_answers_the_first_150_questions_and_the_claim_all():
     assert eval_limit("sft", None) is None and eval_limit("rl", None) is None and eval_limit("rl", 30) == 30
     args = eval_args(eval_limit("base", None))
     assert args[args.index("--limit") + 1] == "150" and "--limit" not in eval_args(eval_limit("sft", None))
+
+
+def test_a_stage_starts_with_how_its_threads_wait_chosen_then(tmp_path, monkeypatch):
+    """run_logged gives each stage our wait choice, made as it starts (utils/threads.py), and keeps a
+    wait variable the user exported."""
+    from verl_arpo.quickstart import STAGE_ENV, run_logged
+    from verl_arpo.utils.threads import CHOSEN_BY_US, CPU_WAIT_VARS
+
+    for key in (*CPU_WAIT_VARS, CHOSEN_BY_US):
+        monkeypatch.delenv(key, raising=False)
+    show = [sys.executable, "-c", "import os; print(sorted((k, v) for k, v in os.environ.items() "
+            "if k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT', 'KMP_BLOCKTIME', 'VERL_ARPO_CPU_WAIT')))"]
+    run_logged(show, tmp_path / "a.log", STAGE_ENV)
+    seen = (tmp_path / "a.log").read_text().splitlines()[-1]
+    assert seen in ("[('GOMP_SPINCOUNT', '3000'), ('VERL_ARPO_CPU_WAIT', 'auto')]",
+                    "[('OMP_WAIT_POLICY', 'PASSIVE'), ('VERL_ARPO_CPU_WAIT', 'auto')]"), seen
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    run_logged(show, tmp_path / "b.log", STAGE_ENV)
+    assert (tmp_path / "b.log").read_text().splitlines()[-1] == "[('OMP_WAIT_POLICY', 'ACTIVE')]"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verl_arpo.protocol import DataProto
-from verl_arpo.utils.threads import CPU_WAIT_VARS
+from verl_arpo.utils.threads import CHOSEN_BY_US, CPU_WAIT_VARS
 
 
 @pytest.fixture
@@ -38,9 +38,12 @@ def test_environment_and_node_info(group):
         {"RANK": "0", "LOCAL_WORLD_SIZE": "2", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"},
         {"RANK": "1", "LOCAL_WORLD_SIZE": "2", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"},
     ]
-    # threads that sleep while they wait (utils/threads.py); a policy this environment set is kept
+    # threads that sleep while they wait beside their siblings (utils/threads.py); a policy this
+    # environment's user set is kept
     chosen = {k: os.environ.get(k) for k in CPU_WAIT_VARS}
-    expected = chosen if any(chosen.values()) else {**chosen, "OMP_WAIT_POLICY": "PASSIVE"}
+    ours = os.environ.get(CHOSEN_BY_US) == "auto"
+    expected = (chosen if any(chosen.values()) and not ours
+                else {**chosen, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"})
     assert group.env(list(CPU_WAIT_VARS)) == [expected] * 2
     assert group.execute_all("get_node_info")[1]["pid"] == infos[1]["pid"]
     assert group.execute_rank_zero("get_node_info")["pid"] == infos[0]["pid"]

@@ -30,16 +30,18 @@ def test_single_process_run_equals_a_one_worker_ray_run_and_never_imports_ray(ra
     args = [f"{a}" for a in _overrides(tool_model_dir, toy_data, single, ONE_WORKER + ["trainer.single_process=true"])]
     probe = ("import atexit, os, runpy, sys\n"
              "atexit.register(lambda: print('ray imported:', 'ray' in sys.modules, flush=True))\n"
-             "atexit.register(lambda: print('wait policy:', os.environ.get('OMP_WAIT_POLICY'), flush=True))\n"
+             "atexit.register(lambda: print('wait:', os.environ.get('VERL_ARPO_CPU_WAIT'),\n"
+             "                                  os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), flush=True))\n"
              f"sys.argv = ['main_ppo', '--config-name=cpu_tiny', *{args!r}]\n"
              "runpy.run_module('verl_arpo.trainer.main_ppo', run_name='__main__')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "VERL_ARPO_CPU_WAIT")}
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ray imported: False" in proc.stdout
-    # this process computes: its OpenMP threads sleep while they wait, set before torch loaded (utils/threads.py)
-    assert "wait policy: PASSIVE" in proc.stdout
+    # this process computes: how its OpenMP threads wait was chosen before torch loaded (utils/threads.py)
+    assert ("wait: auto PASSIVE None" in proc.stdout) != ("wait: auto None 3000" in proc.stdout)
     assert "in the driver's process: trainer.single_process" in proc.stdout
 
     # the same run with one Ray worker (a separate process), in this test's Ray

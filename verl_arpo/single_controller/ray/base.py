@@ -188,8 +188,9 @@ class RayWorkerGroup:
         env_vars.update(runtime_env.get("env_vars") or {})
         env_vars.update(self._env_vars)
         env_vars.update(env)
-        # threads that sleep while they wait, unless a wait policy is set above (the user's wins)
-        runtime_env["env_vars"] = {**cpu_thread_env(env_vars), **env_vars}
+        # threads that sleep while they wait (a worker's siblings share its cores), unless a wait
+        # policy is set above or by the user in this environment (theirs wins)
+        runtime_env["env_vars"] = {**cpu_thread_env(env_vars, alone=False), **env_vars}
         options.update(
             name=f"{self.name_prefix}:{rank}",
             num_cpus=self.num_cpus_per_worker,
