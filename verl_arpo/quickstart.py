@@ -53,12 +53,15 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool 
     threads spin briefly while they wait if the machine is idle as it starts, else sleep
     (utils/threads.py: docs/performance.md, "Threads on a busy machine")."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    say(f"{log.stem}: started (log: {log})")
+    wait = cpu_thread_env(env)
+    how = ("; CPU threads spin while they wait: the machine is idle" if "GOMP_SPINCOUNT" in wait else
+           "; CPU threads sleep while they wait: the machine is busy (or its load unknown)" if wait else "")
+    say(f"{log.stem}: started (log: {log}){how}")
     t0 = time.perf_counter()
+    env = {**(env or {}), **wait}
     with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        env = {**(env or {}), **cpu_thread_env(env)}
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
     say(f"{log.stem}: {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s")
     if rc != 0:
@@ -112,14 +115,14 @@ nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool
 answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
     ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
-    ("bf16", False): {"eval base": 93, "sft": 401, "eval sft": 240, "rl": 583, "merge": 5, "eval rl": 228},
+    ("bf16", False): {"eval base": 79, "sft": 297, "eval sft": 158, "rl": 566, "merge": 5, "eval rl": 161},
     ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
     ("bf16", True): {"eval base": 13, "sft": 19, "eval sft": 15, "rl": 53, "merge": 8, "eval rl": 14},
 }
 """Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
 (precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The fp32
 rows: an AVX2 EPYC; the bf16 rows: an idle AMX Xeon (2026-12-06: the smoke with compiled bytecode, the full
-run with the tool launch that does not fork)."""
+run with the tool launch that does not fork and threads that spin while they wait)."""
 
 
 def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:

@@ -161,7 +161,7 @@ def test_the_base_model_answers_the_first_150_questions_and_the_claim_all():
     assert args[args.index("--limit") + 1] == "150" and "--limit" not in eval_args(eval_limit("sft", None))
 
 
-def test_a_stage_starts_with_how_its_threads_wait_chosen_then(tmp_path, monkeypatch):
+def test_a_stage_starts_with_how_its_threads_wait_chosen_then(tmp_path, monkeypatch, capsys):
     """run_logged gives each stage our wait choice, made as it starts (utils/threads.py), and keeps a
     wait variable the user exported."""
     from verl_arpo.quickstart import STAGE_ENV, run_logged
@@ -173,8 +173,11 @@ def test_a_stage_starts_with_how_its_threads_wait_chosen_then(tmp_path, monkeypa
             "if k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT', 'KMP_BLOCKTIME', 'VERL_ARPO_CPU_WAIT')))"]
     run_logged(show, tmp_path / "a.log", STAGE_ENV)
     seen = (tmp_path / "a.log").read_text().splitlines()[-1]
-    assert seen in ("[('GOMP_SPINCOUNT', '3000'), ('VERL_ARPO_CPU_WAIT', 'auto')]",
-                    "[('OMP_WAIT_POLICY', 'PASSIVE'), ('VERL_ARPO_CPU_WAIT', 'auto')]"), seen
+    said = capsys.readouterr().out
+    assert (seen, "spin while they wait" in said) in (
+        ("[('GOMP_SPINCOUNT', '3000'), ('VERL_ARPO_CPU_WAIT', 'auto')]", True),
+        ("[('OMP_WAIT_POLICY', 'PASSIVE'), ('VERL_ARPO_CPU_WAIT', 'auto')]", False)), (seen, said)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     run_logged(show, tmp_path / "b.log", STAGE_ENV)
     assert (tmp_path / "b.log").read_text().splitlines()[-1] == "[('OMP_WAIT_POLICY', 'ACTIVE')]"
+    assert "while they wait" not in capsys.readouterr().out      # the user's choice: nothing said

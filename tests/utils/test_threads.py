@@ -107,3 +107,32 @@ def test_the_wait_policy_does_not_change_the_numbers(tiny_model_dir):
         digests[policy] = out.stdout.strip().splitlines()[-1]
     assert digests["default"] == digests["PASSIVE"] == digests["spin"]
     assert len(digests["default"]) == 64
+
+
+WHEN_TORCH_LOADS = """
+import os, runpy, sys
+seen = []
+class Spy:   # records our wait choice at the moment anything first imports torch
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("VERL_ARPO_CPU_WAIT"))
+sys.meta_path.insert(0, Spy())
+sys.argv = [{module!r}, "--help"]
+try:
+    runpy.run_module({module!r}, run_name="__main__")
+except SystemExit:
+    pass
+import torch  # an entry point whose --help loads no torch: the choice must be made by now
+print("at torch's import:", seen[0])
+"""
+
+
+@pytest.mark.parametrize("module", ["verl_arpo.trainer.main_sft", "verl_arpo.trainer.main_eval",
+                                    "verl_arpo.trainer.main_ppo"])
+def test_each_entry_point_chooses_before_torch_loads(module):
+    """libgomp reads the wait variables when torch loads it: every command line sets them before."""
+    env = {k: v for k, v in os.environ.items() if k not in (*CPU_WAIT_VARS, CHOSEN_BY_US)}
+    out = subprocess.run([sys.executable, "-c", WHEN_TORCH_LOADS.format(module=module)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "at torch's import: auto" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

@@ -43,6 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":
+    # before torch loads (libgomp reads it then): how this process's CPU threads wait (utils/threads.py)
+    from verl_arpo.utils.threads import cpu_thread_env
+
+    os.environ.update(cpu_thread_env())
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
