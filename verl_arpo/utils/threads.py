@@ -92,7 +92,9 @@ def cpu_thread_env(user_env: Mapping[str, str] | None = None, alone: bool = True
     libgomp reads these when it loads (with torch), so they must be in the environment a process
     starts with."""
     ours = os.environ.get(CHOSEN_BY_US) == "auto"
-    if any(k in (user_env or {}) for k in CPU_WAIT_VARS) or (not ours and any(k in os.environ for k in CPU_WAIT_VARS)):
+    users = any(k in (user_env or {}) for k in CPU_WAIT_VARS) or (
+        not ours and any(k in os.environ for k in CPU_WAIT_VARS))
+    if users:
         return {}
     if not alone:   # GOMP_SPINCOUNT outranks the policy in libgomp: 0 undoes a spin count inherited from us
         return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", CHOSEN_BY_US: "auto"}
