@@ -181,3 +181,40 @@ def test_a_stage_starts_with_how_its_threads_wait_chosen_then(tmp_path, monkeypa
     run_logged(show, tmp_path / "b.log", STAGE_ENV)
     assert (tmp_path / "b.log").read_text().splitlines()[-1] == "[('OMP_WAIT_POLICY', 'ACTIVE')]"
     assert "while they wait" not in capsys.readouterr().out      # the user's choice: nothing said
+
+
+class _Bar:
+    def update(self, *a, **k):
+        pass
+
+    def advance(self, *a, **k):
+        pass
+
+
+def _checkpoint(rl_root: Path, step: int, workers: int) -> None:
+    d = rl_root / f"global_step_{step}"
+    (d / "actor").mkdir(parents=True)
+    (d / "checkpoint_complete.json").write_text("{}")
+    (d / "actor" / "checkpoint_meta.json").write_text(json.dumps({"world_size": workers, "global_step": step}))
+    (rl_root / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+@pytest.mark.parametrize("workers, extra, resumes", [(2, [], False), (1, [], True),
+                                                     (2, ["trainer.single_process=false", "trainer.n_gpus_per_node=2"], True)])
+def test_the_rl_stage_runs_in_one_process_and_resumes_only_its_own_layouts_checkpoint(
+        tmp_path, monkeypatch, capsys, workers, extra, resumes):
+    """The RL stage's command runs one worker in the driver's process (ONE_PROCESS) unless the user's
+    overrides say otherwise; a half-done run's checkpoint is resumed only by the layout that wrote it."""
+    import verl_arpo.quickstart as qs
+
+    calls = []
+    monkeypatch.setattr(qs, "run_logged", lambda cmd, log, env, append=False: calls.append((cmd, append)))
+    a = qs.parse_args(["--out", str(tmp_path / "qs"), "--precision", "bf16", *extra])
+    q = qs.Quickstart(a, _Bar(), None)
+    _checkpoint(q.out / "rl", 4, workers)
+    q.rl(tmp_path / "sft")
+    (cmd, append), = calls
+    assert cmd[-len(qs.ONE_PROCESS) - len(extra):] == [*qs.ONE_PROCESS, *extra]
+    assert append is resumes and (q.out / "rl" / "global_step_4").exists() is resumes
+    said = capsys.readouterr().out
+    assert ("was written by 2 workers, this run has 1: training starts over" in said) is (not resumes)
