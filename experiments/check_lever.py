@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 from compare_algorithms import PROTOCOLS, Experiment, Store, cpu_flags, protocol_record  # noqa: E402
+from comparison_report import _ci as ci  # noqa: E402
 from run_records import write_atomic  # noqa: E402
 
 from verl_arpo.quickstart import PRECISIONS, SFT_STEPS, resolve_precision  # noqa: E402
@@ -118,9 +119,6 @@ def markdown(rep: dict[str, Any]) -> str:
     for r in rep["per_pair"]:
         rows.append(f"| {r['pair']} | {r['baseline']:.3f} | {r['lever']:.3f} | {pair_text(r['rl_s'])} | "
                     f"{pair_text(r['step_s'])} | {pair_text(r['eval_s'])} | {pair_text(r['executed_tool_calls_per_traj'])} |")
-
-    def ci(t: list[float]) -> str:
-        return f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"
     d, g = rep["lever_minus_baseline"], rep["gain_over_sft"]
     tail = ["", f"- lever − baseline: {ci(d['t_over_pairs'])} (t over pairs); bootstrap over pairs × questions "
             f"{ci(d['bootstrap'])}",

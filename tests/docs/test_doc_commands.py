@@ -405,8 +405,20 @@ def check_decision_margins(cmd: Command, args: list[str], tmp: Path) -> None:
         pytest.fail(f"{cmd.id}: decision_margins.py rejects {args}")
 
 
+def check_check_lever(cmd: Command, args: list[str], tmp: Path) -> None:
+    """Hours of training (its run on the tiny model is tests/experiments/test_check_lever.py): the
+    arguments go through its parser, and a lever is named by KEY=VALUE overrides."""
+    mod = load_script_module("experiments/check_lever.py")
+    try:
+        parsed = mod.build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{cmd.id}: check_lever.py rejects {args}")
+    assert parsed.report or (parsed.overrides and all("=" in o for o in parsed.overrides)), cmd.id
+
+
 PY_SCRIPT_CHECKS = {
     "experiments/compare_algorithms.py": check_compare_algorithms,
+    "experiments/check_lever.py": check_check_lever,
     "experiments/decision_margins.py": check_decision_margins,
     "benchmarks/bench_sequence_parallel.py": check_bench_sequence_parallel,
     "scripts/gen_config_docs.py": check_gen_config_docs,
