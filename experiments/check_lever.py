@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
     pin(lever_store.root, {"both": a.both, "overrides": a.overrides})
     for pair in range(protocol.first_pair, protocol.first_pair + a.pairs):
         for exp, store in arms.values():
-            exp.run(ARM, pair, sft_dir, store, sft_sha)
-            write_report(a, base_store, lever_store)
+            if store.get(ARM, pair) is None:
+                exp.run(ARM, pair, sft_dir, store, sft_sha)
+                write_report(a, base_store, lever_store, show=False)   # after every run: a partial one reports too
     return write_report(a, base_store, lever_store)
 
 
@@ -195,7 +196,7 @@ def pin(root: Path, settings: dict) -> None:
                          "--name (or another --results for other --both), or move that folder away")
 
 
-def write_report(a: argparse.Namespace, base_store: Store, lever_store: Store) -> dict:
+def write_report(a: argparse.Namespace, base_store: Store, lever_store: Store, show: bool = True) -> dict:
     sft = lever_store.sft()
     if base_store.sft_if(sft["sft_sha256"], sft["precision"]) is None:
         raise SystemExit(f"{base_store.root} holds runs of another SFT model or precision than {lever_store.root}: "
@@ -209,7 +210,8 @@ def write_report(a: argparse.Namespace, base_store: Store, lever_store: Store) -
     a.results.mkdir(parents=True, exist_ok=True)
     write_atomic(a.results / f"{a.name}.json", rep)
     (a.results / f"{a.name}.md").write_text(markdown(rep))
-    print(markdown(rep), flush=True)
+    if show:
+        print(markdown(rep), flush=True)
     return rep
 
 
