@@ -100,22 +100,17 @@ so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue
 searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
 gained at each of 4 (docs/reports/2026-11-26-quickstart-rl-gain-across-seeds.md, "Twice the SFT
 steps")."""
-ONE_PROCESS = ["trainer.n_gpus_per_node=1", "trainer.single_process=true"]
-"""The quickstart's RL stage runs its one worker in the driver's process with both cores as torch
-threads (`trainer.single_process`, no Ray), where configs/quickstart.yaml has 2 Ray workers of one
-thread each: 1.19x a step and ~36 s less start-up on a 2-core CPU, and at 4 seed pairs no loss was
-detected (experiments/results/speed_levers/one_process.md; docs/performance.md, "One process on a
-laptop"). `trainer.single_process=false trainer.n_gpus_per_node=2` after the quickstart's arguments
-restores the 2 workers."""
 SMOKE = {"questions": 6, "response_length": 40, "sft_steps": 2, "sft_batch_size": 1, "rl_steps": 2,
          "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=40",
                           "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.initial_rollouts=1",
-                          "actor_rollout_ref.actor.ppo_mini_batch_size=3"]}
+                          "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                          "trainer.n_gpus_per_node=1", "trainer.single_process=true"]}
 """`--smoke`: every stage and entry point of the full run, each at a small per-step shape, so the whole
 pipeline runs in about 3 minutes (issue 47: the full run's per-step work with fewer steps took over 10).
 Per step: SFT on 1 conversation (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 40 tokens
-(288); the evaluations answer 6 questions with up to 40 tokens (150 or 600, 288). Like the full run's,
-its RL stage runs one worker in the driver's process (ONE_PROCESS); it checkpoints once, at its last step. A plumbing check: its accuracies say
+(288); the evaluations answer 6 questions with up to 40 tokens (150 or 600, 288). The RL stage runs its
+one worker in the driver's process (`trainer.single_process`, no Ray: ~25 s less start-up; the full run
+uses 2 Ray workers) and checkpoints once, at its last step. A plumbing check: its accuracies say
 nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool call is made and
 answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
@@ -204,14 +199,6 @@ def rl_command(sft_dir: Path, rl_root: Path, steps: int, algo: str, cache_file: 
             f"hydra.run.dir={rl_root / 'hydra'}", *ALGO_OVERRIDES[algo],
             *(["data.max_prompt_length=384"] if tiny else []),  # the tiny tokenizer needs more tokens
             *(FP32_RL_OVERRIDES if precision == "fp32" else []), *overrides]
-
-
-def checkpoint_workers(ckpt: str | Path) -> int | None:
-    """How many workers wrote an RL checkpoint (its actor's checkpoint_meta.json), None when unknown."""
-    try:
-        return int(json.loads((Path(ckpt) / "actor" / "checkpoint_meta.json").read_text())["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def merge_command(rl_root: Path, hf_dir: Path) -> list[str]:
@@ -458,18 +445,12 @@ class Quickstart:
         t0 = self.stage("rl")
         rl_root = self.out / "rl"
         latest = find_latest_ckpt_path(str(rl_root))
-        overrides = [*ONE_PROCESS, *(SMOKE["rl_overrides"] if self.a.smoke else []), *self.a.overrides]
         if self.stale or latest is None or not latest.endswith(f"global_step_{self.rl_steps}"):
-            workers = int([o for o in overrides if o.startswith("trainer.n_gpus_per_node=")][-1].split("=")[1])
-            if latest is not None and checkpoint_workers(latest) not in (None, workers):
-                say(f"rl: {latest} was written by {checkpoint_workers(latest)} workers, this run has {workers}: "
-                    "training starts over (a checkpoint resumes onto the layout that wrote it)")
-                self.stale = True
             if rl_root.exists() and (self.stale or latest is None):
                 shutil.rmtree(rl_root)
             resumed = rl_root.exists()  # e.g. a larger --rl_steps continues the finished run
             cmd = rl_command(sft_dir, rl_root, self.rl_steps, self.a.algo, self.out / "search_cache.sqlite",
-                             self.a.tiny, overrides,
+                             self.a.tiny, [*(SMOKE["rl_overrides"] if self.a.smoke else []), *self.a.overrides],
                              self.precision, save_freq=self.rl_steps if self.a.smoke else None)
             before = self.times.get("rl", 0.0) if resumed else 0.0
             try:
