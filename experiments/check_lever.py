@@ -64,14 +64,9 @@ def lever_report(sft_eval: dict, base_runs: dict[int, dict], lever_runs: dict[in
     def interval(diff: np.ndarray) -> dict[str, list[float]]:
         return {"t_over_pairs": list(seed_t_interval(diff)), "bootstrap": list(paired_bootstrap(diff))}
 
-    def seconds(runs: dict[int, dict], part: str) -> list[float]:
-        return [runs[k]["wall_s"][part] for k in pairs]
-
-    def step_s(runs: dict[int, dict]) -> list[float | None]:
-        return [runs[k]["train"]["mean"].get("step_s") for k in pairs]
-
-    def calls(runs: dict[int, dict]) -> list[float | None]:
-        return [runs[k]["train"]["mean"].get("executed_tool_calls_per_traj") for k in pairs]
+    def both(k: int, read) -> list:
+        """`read` of pair k's baseline run and of its lever run."""
+        return [read(base_runs[k]), read(lever_runs[k])]
 
     sft_correct = np.asarray(sft_eval["correct"], dtype=float)
     report: dict[str, Any] = {"lever": name, "overrides": overrides, "arm": ARM, "pairs": pairs,
@@ -89,18 +84,16 @@ def lever_report(sft_eval: dict, base_runs: dict[int, dict], lever_runs: dict[in
     else:
         verdict = (f"no loss detected at {len(pairs)} pairs: {diff['t_over_pairs'][0]:+.3f} [{lo:+.3f}, {hi:+.3f}] "
                    f"(a loss larger than {-lo:.3f} is ruled out at 95%)")
-    rl_base, rl_lever = seconds(base_runs, "rl"), seconds(lever_runs, "rl")
-    return {**report,
-            "per_pair": [{"pair": k, "baseline": float(base[i].mean()), "lever": float(lever[i].mean()),
-                          "rl_s": [rl_base[i], rl_lever[i]],
-                          "eval_s": [base_runs[k]["wall_s"]["eval"], lever_runs[k]["wall_s"]["eval"]],
-                          "step_s": [step_s(base_runs)[i], step_s(lever_runs)[i]],
-                          "executed_tool_calls_per_traj": [calls(base_runs)[i], calls(lever_runs)[i]],
-                          "load_avg_start": [base_runs[k].get("load_avg_start"), lever_runs[k].get("load_avg_start")]}
-                         for i, k in enumerate(pairs)],
-            "lever_minus_baseline": diff,
+    per_pair = [{"pair": k, "baseline": float(base[i].mean()), "lever": float(lever[i].mean()),
+                 "rl_s": both(k, lambda r: r["wall_s"]["rl"]), "eval_s": both(k, lambda r: r["wall_s"]["eval"]),
+                 "step_s": both(k, lambda r: r["train"]["mean"].get("step_s")),
+                 "executed_tool_calls_per_traj": both(k, lambda r: r["train"]["mean"].get("executed_tool_calls_per_traj")),
+                 "load_avg_start": both(k, lambda r: r.get("load_avg_start"))}
+                for i, k in enumerate(pairs)]
+    rl_s = np.array([r["rl_s"] for r in per_pair], dtype=float)
+    return {**report, "per_pair": per_pair, "lever_minus_baseline": diff,
             "gain_over_sft": {"baseline": interval(base - sft_correct), "lever": interval(lever - sft_correct)},
-            "rl_seconds_ratio": float(np.median(rl_base) / np.median(rl_lever)),
+            "rl_seconds_ratio": float(np.median(rl_s[:, 0]) / np.median(rl_s[:, 1])),
             "verdict": verdict}
 
 
@@ -209,9 +202,10 @@ def write_report(a: argparse.Namespace, base_store: Store, lever_store: Store, s
                machine={"nproc": os.cpu_count(), "cpu_flags": cpu_flags()})
     a.results.mkdir(parents=True, exist_ok=True)
     write_atomic(a.results / f"{a.name}.json", rep)
-    (a.results / f"{a.name}.md").write_text(markdown(rep))
+    md = markdown(rep)
+    (a.results / f"{a.name}.md").write_text(md)
     if show:
-        print(markdown(rep), flush=True)
+        print(md, flush=True)
     return rep
 
 
