@@ -100,6 +100,10 @@ run train_attention benchmarks/bench_train_attention.py $(q --quick)
 # 13. the decode step's kernels: bf16 against fp32 linears and decode attention, and whether a batch's row count changes a row's bits
 run decode_kernels benchmarks/bench_decode_kernels.py $(q --quick)
 
+# 14. the evaluation in 2 worker processes against one (the quickstart's SFT model on the validation split, when it exists)
+if [[ -f $SFT/config.json ]]; then EW=(--model "$SFT" $(q --limit 300)); else EW=(--quick); fi
+run eval_workers benchmarks/bench_eval_workers.py "${EW[@]}"
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

@@ -91,15 +91,15 @@ TEST_DATA = ROOT / "rl_datasets" / "test.parquet"
 # fp32 per matmul, so "auto" computes in fp32 there (docs/performance.md, "Precision on the CPU").
 PRECISIONS = ("auto", "bf16", "fp32")
 SFT_STEPS = 24
+"""Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
+searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
+gained at each of 4 (docs/reports/2026-11-26-quickstart-rl-gain-across-seeds.md, "Twice the SFT
+steps")."""
 BASE_EVAL_QUESTIONS = 150
 """The base model's evaluation answers the first 150 test questions (the split is shuffled: ~50 per kind).
 It says what SFT bought, which the table shows, not what the run claims (the paired RL − SFT gain
 on all 600): a base model that has not learnt the tags runs to the length limit on most questions,
 so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue 47)."""
-"""Cold-start SFT steps of 16 conversations (384 of the 600). 12 steps left lookups near a tie between
-searching and answering, and ARPO from that model lost accuracy at every seed pair; from 24 steps it
-gained at each of 4 (docs/reports/2026-11-26-quickstart-rl-gain-across-seeds.md, "Twice the SFT
-steps")."""
 SMOKE = {"questions": 6, "response_length": 40, "sft_steps": 2, "sft_batch_size": 1, "rl_steps": 2,
          "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=40",
                           "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.initial_rollouts=1",
@@ -216,7 +216,8 @@ def eval_limit(tag: str, test_limit: int | None) -> int | None:
 def eval_args(test_limit: int | None = None, precision: str = "bf16", response_length: int = 288) -> list[str]:
     """main_eval's arguments for the test split: greedy, in the rollout's precision (bf16 generates
     1.9x faster than fp32 with AMX), 150 questions per generation call with the shared prefix
-    encoded once."""
+    encoded once, in one process (2 worker processes, `--workers 2`, were checked and not taken:
+    docs/performance.md, "The evaluation in two processes")."""
     return ["--k", "1", "--max_response_length", str(response_length), "--dtype", "bfloat16" if precision == "bf16" else "float32",
             "--batch_size", "150",
             "--max_batch_size", "150", *(["--limit", str(test_limit)] if test_limit else [])]

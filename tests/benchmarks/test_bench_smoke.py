@@ -142,6 +142,7 @@ SMOKES = {
     "actor_update": ["bench_actor_update.py", "--quick", "--cases", "6,7,8"],
     "sequence_parallel": ["bench_sequence_parallel.py", "--quick"],
     "decode_kernels": ["bench_decode_kernels.py", "--quick"],
+    "eval_workers": ["bench_eval_workers.py", "--quick"],
 }
 
 

@@ -49,6 +49,11 @@ def test_offload_moves_the_state_off_the_gpu():
     assert opt["update"]["adam_moments"] == plain["update"]["adam_moments"]  # back on the GPU for the step
     assert full["update"]["actor_params"] == full["update"]["adam_moments"] == 0
     assert plain["rollout"]["engine"] == 0.6 * 80 * me.GIB
+    # reshard_after_forward=false: every layer stays gathered (bf16) in the log-prob pass and the update
+    held = me.estimate(m, me.JobShape(**{**base, "reshard_after_forward": False}), 80 * me.GIB)
+    for phase in ("log_prob", "update"):
+        assert plain[phase]["gathered_units"] == 2 * (2 * m.layer_params + m.root_params)
+        assert held[phase]["gathered_units"] == 2 * (m.layers * m.layer_params + m.root_params)
 
 
 _MEASURE = r'''

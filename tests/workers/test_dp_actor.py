@@ -504,3 +504,74 @@ def test_every_training_forward_runs_without_cudnn_attention_on_cuda(model, monk
     assert not any(seen), seen
     assert torch.backends.cuda.cudnn_sdp_enabled()
     assert devices and set(devices) == {next(m.parameters()).device}
+
+
+def _gather_once_rank(rank, world, port, model_dir, data_path, out_path):
+    """One update of the dynamic case per setting, counting FSDP2's all-gathers."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from verl_arpo.workers.sharded_model import shard_fsdp2
+
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group   # where FSDP2 all-gathers
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    calls = {"n": 0}
+    real = param_group.foreach_all_gather
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    param_group.foreach_all_gather = counted
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.load(data_path, weights_only=False)
+        half = len(full) // world
+        data = full.slice(rank * half, (rank + 1) * half)
+        results = {}
+        for gather_once in (False, True):
+            model = shard_fsdp2(load_model(model_dir), mesh, reshard_after_forward=not gather_once)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            actor = DataParallelPPOActor(actor_module=model, actor_optimizer=opt, gather_once=gather_once,
+                                         **actor_kwargs(loss_agg_mode="token-mean", use_dynamic_bsz=True,
+                                                        ppo_max_token_len_per_gpu=20, ppo_mini_batch_size=half))
+            calls["n"] = 0
+            metrics = actor.update_policy(data)
+            gathers = calls["n"]
+            units = sum(1 for m in model.modules() if hasattr(m, "reshard"))
+            # after the step the next forward gathers the new weights: the same log-probs either way
+            lp, _ = actor.compute_log_prob(DataProto(batch=data.batch), log_probs(use_dynamic_bsz=True, max_token_len=15))
+            results[gather_once] = dict(params={k: v.full_tensor() for k, v in model.state_dict().items()},
+                                        metrics=metrics, gathers=gathers, units=units, lp=lp)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        param_group.foreach_all_gather = real
+        dist.destroy_process_group()
+
+
+def test_parameters_gathered_once_a_mini_batch_give_the_same_update(tiny_model_dir, tmp_path):
+    """fsdp_config.reshard_after_forward=false: each FSDP unit all-gathers once a mini-batch (here one,
+    of several micro-batches) instead of twice a micro-batch, and the update is the same bit for bit,
+    as are the log-probs the next pass computes with the new weights."""
+    import torch.multiprocessing as mp
+
+    data = make_batch(load_model(tiny_model_dir).config.vocab_size, B=8, seed=8,
+                      prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])
+    data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
+    torch.save(data, data_path)
+    mp.start_processes(_gather_once_rank, args=(2, _free_port(), tiny_model_dir, str(data_path), str(out_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    r = torch.load(out_path, weights_only=False)
+    base, once = r[False], r[True]
+    for k, v in base["params"].items():
+        assert torch.equal(v, once["params"][k]), k
+    assert base["metrics"]["actor/pg_loss"] == once["metrics"]["actor/pg_loss"]
+    assert base["metrics"]["actor/grad_norm"] == once["metrics"]["actor/grad_norm"]
+    assert torch.equal(base["lp"], once["lp"])
+    units = once["units"]
+    assert once["gathers"] == units                       # one all-gather per unit for the whole mini-batch
+    assert base["gathers"] >= 2 * units                    # at least two micro-batches, each gathering

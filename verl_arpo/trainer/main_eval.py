@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -56,6 +57,7 @@ import numpy as np
 from verl_arpo.utils.stats import pass_at_k, wilson_interval  # noqa: F401  (re-exported: main_eval's names)
 from verl_arpo.utils.chat_template import configure_chat_template, render_chat
 from verl_arpo.config import ROLLOUT_MODES
+from verl_arpo.trainer.eval_workers import call_starts, generate_in_workers, parse_shard, write_shard
 
 logger = logging.getLogger("verl_arpo.eval")
 
@@ -234,16 +236,17 @@ def _prompt_batch(tokenizer, rows: list[dict], uid_offset: int, template_kwargs:
 
 
 def generate(loop, tokenizer, rows: list[dict], k: int, batch_size: int,
-             template_kwargs: dict | None = None) -> list[list[dict]]:
+             template_kwargs: dict | None = None, starts: list[int] | None = None) -> list[list[dict]]:
     """k trajectories per row: [{text, num_tool_calls, tool_tags, finish_reason}] per row. In the
     hermes format `text` is the final assistant turn (what is scored, as in training) and
-    `tool_tags` the function names."""
+    `tool_tags` the function names. `starts`: only the calls of `batch_size` questions that begin
+    there (an evaluation worker's share, trainer/eval_workers.py); their rows' samples, in order."""
     from verl_arpo.workers.reward_manager import final_turn_start
 
     hermes = getattr(getattr(loop, "format", None), "name", "tags") == "hermes"
     tools = loop.format.schemas if hermes else None
     out: list[list[dict]] = []
-    for start in range(0, len(rows), batch_size):
+    for start in (range(0, len(rows), batch_size) if starts is None else starts):
         chunk = rows[start:start + batch_size]
         prompts = _prompt_batch(tokenizer, chunk, start, template_kwargs, tools)
         prompts.meta_info = {"validate": True} if k == 1 else {"validate": False, "n": k, "do_sample": True}
@@ -389,14 +392,26 @@ def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
         for ds in sorted({str(r["data_source"]) for r in rows}):
             get_scorer(ds)
     judge = LLMJudge(args.judge_url, args.judge_model, args.judge_api_key_env) if args.judge_url else None
+    shard = parse_shard(args.shard) if getattr(args, "shard", None) else None
+    workers = min(getattr(args, "workers", 1), len(call_starts(len(rows), args.batch_size)))
     t0 = time.time()
-    loop, executor = build_loop(args, tokenizer, engine)
-    try:
-        generations = generate(loop, tokenizer, rows, args.k, args.batch_size,
-                               getattr(args, "chat_template_kwargs", None))
-    finally:
-        if executor is not None:
-            executor.close()
+    if shard is None and workers > 1:   # the calls spread over worker processes (eval_workers.py)
+        if engine is not None or getattr(args, "argv", None) is None:
+            raise SystemExit("--workers > 1 starts worker processes from the command line's arguments: "
+                             "run main_eval's main(argv), not run_eval with an engine")
+        generations = generate_in_workers(args.argv, len(rows), args.batch_size, workers)
+    else:
+        starts = call_starts(len(rows), args.batch_size, *shard) if shard else None
+        loop, executor = build_loop(args, tokenizer, engine)
+        try:
+            generations = generate(loop, tokenizer, rows, args.k, args.batch_size,
+                                   getattr(args, "chat_template_kwargs", None), starts)
+        finally:
+            if executor is not None:
+                executor.close()
+        if shard is not None:   # a worker: its calls' samples go to the parent, which scores them all
+            write_shard(args.generations_out, starts, generations, args.batch_size)
+            return {"shard": args.shard, "questions": len(generations)}
     seconds = time.time() - t0
     score_samples(rows, generations, reward_fn, args.correct_threshold, judge, score_timeout=args.score_timeout)
     report = {"model": args.model, "data": args.data, "k": args.k, "engine": args.engine, "tools": args.tools,
@@ -440,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=8, help="questions per generation call")
     p.add_argument("--max_batch_size", type=int, default=64, help="HF engine: rows decoded together")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes generating at once, each on whole calls of --batch_size questions, the CPU "
+                        "cores (or GPUs) split between them (docs/performance.md, 'The evaluation in two processes')")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)            # i/N: set for a worker by --workers
+    p.add_argument("--generations_out", default=None, help=argparse.SUPPRESS)  # where that worker writes
     p.add_argument("--data_source", default=None, help="override every row's data source (scorer choice)")
     p.add_argument("--system_prompt", default=None, help="replace the system prompt ('' = none)")
     p.add_argument("--chat_template_kwargs", type=json.loads, default={},
@@ -463,10 +483,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     os.environ.update(cpu_thread_env())   # before torch loads: threads that sleep while they wait
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # what --workers starts its workers with
     if args.k < 1:
         raise SystemExit("--k must be >= 1")
+    if args.workers < 1:
+        raise SystemExit(f"--workers {args.workers}: must be >= 1")
+    if bool(args.shard) != bool(args.generations_out):
+        raise SystemExit("--shard and --generations_out go together (set by --workers for its worker processes)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = run_eval(args)
+    if args.shard:
+        return report
     for ds, m in [*report["per_data_source"].items(), ("overall", report["overall"])]:
         ci = m["accuracy_ci95"]
         passk = f" pass@{args.k}={m[f'pass@{args.k}']:.3f}" if args.k > 1 else ""

@@ -30,7 +30,8 @@ bytes of one token (2 x layers x kv_dim x 2 bytes).
 The rules are the ones this code base follows: FSDP2 shards fp32 parameters, gradients and both
 AdamW moments over the world (param_offload keeps all three on the host, optimizer_offload the
 moments between updates); compute is bf16 on CUDA (`dtype_bytes=4` on CPU) with one decoder layer
-all-gathered at a time plus the next one prefetched; gradient checkpointing keeps each layer's
+all-gathered at a time plus the next one prefetched (with `reshard_after_forward=false` every layer,
+held through a mini-batch); gradient checkpointing keeps each layer's
 input; the logits of the response tokens exist once in the compute dtype, their gradient once, and
 the log-prob temporaries are float32 chunks (torch_functional.logprobs_from_logits). Activations
 other than those are an estimate (one layer's working set: attention projections and the MLP);
@@ -115,6 +116,7 @@ class JobShape:
     critic_param_offload: bool = False
     critic_optimizer_offload: bool = False
     critic_train_tokens: int = 0   # tokens per GPU of a critic update micro-batch
+    reshard_after_forward: bool = True   # false: every unit stays gathered through a mini-batch (and a log-prob pass)
 
 
 def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
@@ -140,7 +142,8 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
                     ref_bytes=_ref_bytes(c.actor_rollout_ref.ref.fsdp_config.model_dtype, dtype_bytes),
                     need_critic=d.need_critic, critic_param_offload=bool(c.critic.model.fsdp_config.param_offload),
                     critic_optimizer_offload=bool(c.critic.model.fsdp_config.optimizer_offload),
-                    critic_train_tokens=tokens(d.critic_update) // d.critic_sp)
+                    critic_train_tokens=tokens(d.critic_update) // d.critic_sp,
+                    reshard_after_forward=bool(a.fsdp_config.reshard_after_forward))
 
 
 def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
@@ -177,7 +180,8 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
     moments = 0 if j.param_offload else 8 * m.params / W                      # AdamW exp_avg, exp_avg_sq
     resident_moments = 0 if j.optimizer_offload else moments
     grads = 0 if j.param_offload else 4 * m.params / W
-    gathered = b * (2 * m.layer_params + m.root_params)                        # a layer + the prefetched one + root
+    # a layer + the prefetched one + root; with reshard_after_forward=false all of them (dp_actor.gather_once)
+    gathered = b * ((2 * m.layer_params if j.reshard_after_forward else m.layers * m.layer_params) + m.root_params)
     reduce_buffer = 4 * m.layer_params                                         # one layer's fp32 gradients unsharded
 
     def layer_working_set(tokens: int) -> float:                              # one layer's activations

@@ -135,7 +135,8 @@ class ActorRolloutRefWorker(Worker, _FSDPModelMixin):
                                           use_prefix_sharing=mcfg.use_prefix_sharing, shuffle_seed=seed,
                                           sp=self.sp, device=self.device, temperature=self.derived.temperature,
                                           on_policy=self.derived.on_policy,
-                                          rollout_correction=self.derived.rollout_correction)
+                                          rollout_correction=self.derived.rollout_correction,
+                                          gather_once=not acfg.fsdp_config.reshard_after_forward)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.actor_module, self.actor_optimizer, self.lr_scheduler, processing_class=self.tokenizer,
             checkpoint_contents=tuple(acfg.checkpoint.contents), hf_config=self.hf_config)

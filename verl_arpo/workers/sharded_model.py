@@ -187,8 +187,22 @@ def shard_fsdp2(model: torch.nn.Module, mesh, *, mp_policy=None, reshard_after_f
     return model
 
 
+def keep_gathered_after_backward(module: torch.nn.Module, keep: bool) -> None:
+    """FSDP2's `set_reshard_after_backward(not keep)` on every FSDP unit of `module` (no-op for a plain
+    module). With `reshard_after_forward=False` and `keep` on every micro-batch but a mini-batch's last,
+    each unit's parameters are all-gathered once a mini-batch instead of once or twice a micro-batch:
+    the same cast of the same shards, so the same numbers (docs/performance.md, "Parameters gathered
+    once a mini-batch")."""
+    if hasattr(module, "set_reshard_after_backward"):
+        module.set_reshard_after_backward(not keep)
+
+
 def maybe_reshard(module: torch.nn.Module) -> None:
-    """FSDP2 leaves the root unsharded after a no_grad forward; reshard so the next
-    state-dict/weight-sync sees sharded parameters and the memory is freed."""
-    if hasattr(module, "reshard"):
-        module.reshard()
+    """FSDP2 leaves the root unsharded after a no_grad forward (and every unit with
+    `reshard_after_forward=False`); reshard them all so the next state-dict/weight-sync sees sharded
+    parameters and the memory is freed. A unit already sharded is left as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -52,7 +52,7 @@ from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.host_memory import HOST_MEMORY
 from verl_arpo.workers.optim_step import clip_grad_and_step
 from verl_arpo.workers.sequence_parallel import use_sequence_parallel
-from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
+from verl_arpo.workers.sharded_model import keep_gathered_after_backward, maybe_reshard, module_device, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
     check_trainable_attention,
     global_loss_counts,
@@ -98,7 +98,7 @@ class DataParallelPPOActor:
                  use_prefix_sharing: bool = False, shuffle_seed: int = 0, dp_group=None,
                  sp: SequenceParallel | None = None, device: torch.device | None = None,
                  temperature: float = 1.0, on_policy: bool = False,
-                 rollout_correction: RolloutCorrection | None = None):
+                 rollout_correction: RolloutCorrection | None = None, gather_once: bool = False):
         self.config: ActorConfig = config if config is not None else ActorConfig()  # None: a reference policy
         self.update = update
         if not (float(temperature) > 0):
@@ -107,6 +107,9 @@ class DataParallelPPOActor:
         self.on_policy = bool(on_policy)
         self.rollout_correction = rollout_correction
         self.actor_module = actor_module
+        # fsdp_config.reshard_after_forward=false: parameters stay gathered from a mini-batch's first
+        # forward to its last backward (one all-gather a mini-batch; sharded_model.keep_gathered_after_backward)
+        self.gather_once = bool(gather_once)
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
         if actor_optimizer is not None:
@@ -325,6 +328,8 @@ class DataParallelPPOActor:
                     with HOST_MEMORY.phase("update/forward"):
                         loss, stats = self._micro_loss(micro, agg, policy_loss_fn)
                     non_finite_losses += not math.isfinite(loss.item())
+                    if self.gather_once:   # resharded after the mini-batch's last backward, before the step
+                        keep_gathered_after_backward(self.actor_module, micro_idx < len(micro_batches) - 1)
                     # activation checkpointing re-runs the forward here: same attention kernels
                     with HOST_MEMORY.phase("update/backward"), without_cudnn_attention(self.device):
                         loss.backward()
