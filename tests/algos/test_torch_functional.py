@@ -49,34 +49,6 @@ def test_chunked_logprobs_value_and_gradient_equal_log_softmax(dtype, temperatur
     torch.testing.assert_close(ours.grad.float(), ref.grad.float(), rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk", [3, 2048])
-def test_entropy_beside_the_log_probs_is_the_chunked_entropy_bit_for_bit(dtype, temperature, chunk):
-    """`entropy_out` holds entropy_from_logits_with_chunking's values exactly (the same ops on the same
-    float32 chunk), and the log-probs and their gradient do not change when it is asked for."""
-    g = torch.Generator().manual_seed(3)
-    logits = (torch.randn(2, 5, 97, generator=g) * 3).to(dtype)
-    labels = torch.randint(0, 97, (2, 5), generator=g)
-    weights = torch.randn(2, 5, generator=g)
-    runs = []
-    for beside in (False, True):
-        x = logits.clone().requires_grad_(True)
-        ent = torch.full((2, 5), float("nan")) if beside else None
-        lp = F.logprobs_from_logits(x, labels, chunk_size=chunk, temperature=temperature, entropy_out=ent)
-        (lp * weights).sum().backward()
-        runs.append((lp.detach(), x.grad, ent))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    expected = F.entropy_from_logits_with_chunking(logits, chunk_size=chunk, temperature=temperature)
-    assert torch.equal(runs[1][2], expected)
-    # and it is the entropy: by its definition in float64
-    z = logits.double() / temperature
-    p = torch.softmax(z, -1)
-    torch.testing.assert_close(runs[1][2].double(), -(p * torch.log(p)).sum(-1), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="entropy_out"):
-        F.logprobs_from_logits(logits, labels, entropy_out=torch.empty(2, 5, dtype=torch.float64))
-
-
 def test_masked_stats():
     v = torch.tensor([[1.0, 2.0, 100.0], [3.0, float("nan"), 4.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 1]])

@@ -43,8 +43,7 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True,
-                         chunk_size: int = 2048, temperature: float = 1.0,
-                         entropy_out: torch.Tensor | None = None) -> torch.Tensor:
+                         chunk_size: int = 2048, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T)[labels] = z_y − logsumexp(z) with z = logits / T, `chunk_size` rows at a
     time in float32 (T applied per chunk: no scaled copy of the logits either).
 
@@ -54,11 +53,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     152k vocabulary that is ~1.2 GB of temporaries at chunk 2048 instead of a 9.7 GB float32 copy
     kept for the backward (docs/gpu.md, "Logits memory"). (`inplace_backward` is accepted for verl
     compatibility.)
-
-    `entropy_out` (float32, [...] like `labels`; optional): filled, without grad, with the entropy of
-    the same float32 chunk z, H = logsumexp(z) − Σ softmax(z)·z, reusing the chunk's float copy and
-    logsumexp: the same ops on the same z as `entropy_from_logits_with_chunking`, so the same bits,
-    for one pass over the logits less (docs/performance.md, "The entropy beside the log-probs").
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"`labels` shape {tuple(labels.shape)} must equal `logits` shape without the vocab dim "
@@ -66,21 +60,15 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     if chunk_size <= 0:
         raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
     flat = logits.reshape(-1, logits.shape[-1])
-    if entropy_out is not None and (entropy_out.shape != labels.shape or entropy_out.dtype != torch.float32):
-        raise ValueError(f"`entropy_out` must be float32 of shape {tuple(labels.shape)}, got "
-                         f"{entropy_out.dtype} {tuple(entropy_out.shape)}")
-    ent = None if entropy_out is None else entropy_out.view(-1)
-    out = _ChunkedLogProb.apply(flat, labels.reshape(-1), int(chunk_size), float(temperature), ent)
+    out = _ChunkedLogProb.apply(flat, labels.reshape(-1), int(chunk_size), float(temperature))
     return out.view(labels.shape)
 
 
 class _ChunkedLogProb(torch.autograd.Function):
-    """z_y − logsumexp(z) per row, float32 chunks; saves the logits (no copy) and each row's logsumexp.
-    With `entropy` (a float32 buffer, one value per row) also each row's entropy of z, not differentiated."""
+    """z_y − logsumexp(z) per row, float32 chunks; saves the logits (no copy) and each row's logsumexp."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int, temperature: float,
-                entropy: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk: int, temperature: float) -> torch.Tensor:
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for i in range(0, logits.shape[0], chunk):
@@ -89,8 +77,6 @@ class _ChunkedLogProb(torch.autograd.Function):
                 z = z / temperature
             lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
             out[i:i + chunk] = z.gather(1, labels[i:i + chunk, None])[:, 0] - lse[i:i + chunk]
-            if entropy is not None:   # entropy_from_logits(z), its logsumexp already at hand
-                entropy[i:i + chunk] = lse[i:i + chunk] - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
         ctx.save_for_backward(logits, labels, lse)
         ctx.chunk, ctx.temperature = chunk, temperature
         return out
@@ -113,7 +99,7 @@ class _ChunkedLogProb(torch.autograd.Function):
             d.exp_().mul_(-g).scatter_add_(1, labels[rows, None], g)  # (onehot(y) − p)·g / T
             if not in_place:
                 grad[rows] = d
-        return grad, None, None, None, None
+        return grad, None, None, None
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

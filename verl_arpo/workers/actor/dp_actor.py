@@ -44,6 +44,7 @@ from verl_arpo.config import ActorConfig, Batching, RolloutCorrection
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.torch_functional import (
     entropy_from_logits,
+    entropy_from_logits_with_chunking,
     logprobs_from_logits,
 )
 from verl_arpo.utils.progress import Progress
@@ -148,15 +149,15 @@ class DataParallelPPOActor:
         out = response_forward(self.actor_module, micro, r, self.use_remove_padding, share_prefix=self.share_prefix,
                                sp=self.sp)
         logits = out.logits
-        labels = out.labels(micro["responses"])
-        # without grad the entropy comes from the log-probs' own float32 chunks (one pass over the logits
-        # less: torch_functional.logprobs_from_logits); the temperature is applied chunk by chunk inside
-        beside = calculate_entropy and not entropy_grad
-        entropy = torch.empty(labels.shape, dtype=torch.float32, device=logits.device) if beside else None
-        log_probs = out.to_slots(logprobs_from_logits(logits, labels, temperature=temperature, entropy_out=entropy))
+        # the temperature is applied chunk by chunk inside: no scaled copy of the logits
+        log_probs = out.to_slots(logprobs_from_logits(logits, out.labels(micro["responses"]), temperature=temperature))
+        entropy = None
         if calculate_entropy:
             if entropy_grad:
                 entropy = entropy_from_logits(logits / temperature if temperature != 1.0 else logits)
+            else:
+                with torch.no_grad():
+                    entropy = entropy_from_logits_with_chunking(logits.detach(), temperature=temperature)
             entropy = out.to_slots(entropy.to(log_probs.dtype))
         return entropy, log_probs
 
