@@ -40,6 +40,9 @@ def test_cores_or_gpus_are_split_between_workers():
     assert worker_env(1, 2, 2, ["4", "6"]) == {"CUDA_VISIBLE_DEVICES": "6"}   # one visible GPU each
     with pytest.raises(SystemExit, match=r"only 1 GPU\(s\) visible"):
         worker_env(0, 2, 16, ["0"])
+    with pytest.raises(SystemExit, match="--engine vllm on the CPU: its workers would bind the same cores"):
+        worker_env(0, 2, 2, [], "vllm")
+    assert worker_env(0, 2, 2, ["0", "1"], "vllm") == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
 def test_worker_arguments_drop_workers_and_out_and_add_the_shard():

@@ -53,13 +53,17 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def worker_env(shard: int, workers: int, cores: int, gpus: list[str]) -> dict[str, str]:
+def worker_env(shard: int, workers: int, cores: int, gpus: list[str], engine: str = "hf") -> dict[str, str]:
     """Environment overrides of worker `shard`: with GPUs, one each (`CUDA_VISIBLE_DEVICES`); on the
-    CPU, the cores split evenly between the workers' torch threads (`OMP_NUM_THREADS`)."""
+    CPU, the cores split evenly between the workers' torch threads (`OMP_NUM_THREADS`; the HF engine
+    only: vLLM's CPU backend binds its own threads to cores, and two of them would share theirs)."""
     if gpus:
         if workers > len(gpus):
             raise SystemExit(f"--workers {workers}: only {len(gpus)} GPU(s) visible; use --workers <= {len(gpus)}")
         return {"CUDA_VISIBLE_DEVICES": gpus[shard]}
+    if engine != "hf":
+        raise SystemExit(f"--workers {workers} with --engine {engine} on the CPU: its workers would bind the same "
+                         "cores; use --engine hf, or one GPU per worker")
     if workers > cores:
         raise SystemExit(f"--workers {workers}: this process may use {cores} CPU core(s); "
                          f"use --workers <= {cores} (each worker needs a core)")
@@ -105,12 +109,13 @@ def write_shard(path: str | Path, starts: list[int], generations: list[list[dict
     os.replace(tmp, path)
 
 
-def generate_in_workers(argv: list[str], n_rows: int, batch_size: int, workers: int) -> list[list[dict]]:
+def generate_in_workers(argv: list[str], n_rows: int, batch_size: int, workers: int,
+                        engine: str = "hf") -> list[list[dict]]:
     """Run the workers, each on its calls (`call_starts`), at once; return every question's samples
     in question order. A worker that fails ends the evaluation naming it (the others are stopped)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     gpus = _visible_gpus()
-    envs = [worker_env(i, workers, cores, gpus) for i in range(workers)]
+    envs = [worker_env(i, workers, cores, gpus, engine) for i in range(workers)]
     with tempfile.TemporaryDirectory(prefix="verl_arpo_eval_") as tmp:
         files = [Path(tmp) / f"shard{i}.json" for i in range(workers)]
         procs = []

@@ -399,7 +399,7 @@ def run_eval(args, engine=None, tokenizer=None) -> dict[str, Any]:
         if engine is not None or getattr(args, "argv", None) is None:
             raise SystemExit("--workers > 1 starts worker processes from the command line's arguments: "
                              "run main_eval's main(argv), not run_eval with an engine")
-        generations = generate_in_workers(args.argv, len(rows), args.batch_size, workers)
+        generations = generate_in_workers(args.argv, len(rows), args.batch_size, workers, args.engine)
     else:
         starts = call_starts(len(rows), args.batch_size, *shard) if shard else None
         loop, executor = build_loop(args, tokenizer, engine)
