@@ -33,3 +33,14 @@ def rollout(call_limit: int | None = None, seed: int | None = None, **keys) -> t
     cfg = from_mapping(RolloutSection, keys, "actor_rollout_ref.rollout")
     return cfg, dict(call_limit=cfg.tools.call_limit if call_limit is None else call_limit,
                      seed=cfg.seed if seed is None else seed)
+
+
+def rank_share(data_path, rank: int, world: int):
+    """A multi-process FSDP test's share: (the CPU device mesh over `world` gloo ranks, rank's contiguous
+    slice of the batch saved at `data_path`, the slice's row count)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    full = torch.load(data_path, weights_only=False)
+    half = len(full) // world
+    return init_device_mesh("cpu", (world,)), full.slice(rank * half, (rank + 1) * half), half

@@ -19,7 +19,7 @@ from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.sharded_model import enable_activation_checkpointing
 from verl_arpo.config import ActorConfig, PolicyLossConfig, RolloutCorrection
-from worker_configs import actor_kwargs, log_probs
+from worker_configs import actor_kwargs, log_probs, rank_share
 
 P, R = 6, 8
 
@@ -511,7 +511,6 @@ def _gather_once_rank(rank, world, port, model_dir, data_path, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from verl_arpo.workers.sharded_model import shard_fsdp2
 
@@ -527,10 +526,7 @@ def _gather_once_rank(rank, world, port, model_dir, data_path, out_path):
 
     param_group.foreach_all_gather = counted
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = torch.load(data_path, weights_only=False)
-        half = len(full) // world
-        data = full.slice(rank * half, (rank + 1) * half)
+        mesh, data, half = rank_share(data_path, rank, world)
         results = {}
         for gather_once in (False, True):
             model = shard_fsdp2(load_model(model_dir), mesh, reshard_after_forward=not gather_once)

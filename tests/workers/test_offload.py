@@ -14,7 +14,7 @@ import os
 
 import torch
 from test_dp_actor import _free_port, load_model, make_batch
-from worker_configs import actor_kwargs
+from worker_configs import actor_kwargs, rank_share
 
 from verl_arpo.protocol import DataProto
 
@@ -25,8 +25,6 @@ def _rank(rank, world, port, model_dir, data_path, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
     from verl_arpo.workers.optim_step import build_adamw, move_optimizer_state
     from verl_arpo.workers.sharded_model import load_causal_lm, shard_fsdp2
@@ -34,10 +32,7 @@ def _rank(rank, world, port, model_dir, data_path, out_path):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = torch.load(data_path, weights_only=False)
-        half = len(full) // world
-        data = full.slice(rank * half, (rank + 1) * half)
+        mesh, data, half = rank_share(data_path, rank, world)
         results = {}
         for param_offload, optimizer_offload in COMBOS:
             model = shard_fsdp2(load_causal_lm(model_dir), mesh, cpu_offload=param_offload)
