@@ -54,6 +54,13 @@ def test_offload_moves_the_state_off_the_gpu():
     for phase in ("log_prob", "update"):
         assert plain[phase]["gathered_units"] == 2 * (2 * m.layer_params + m.root_params)
         assert held[phase]["gathered_units"] == 2 * (m.layers * m.layer_params + m.root_params)
+    # grad_sync_once: the whole model's fp32 gradients unsharded (beside the sharded ones) in the update only
+    once = me.estimate(m, me.JobShape(**{**base, "grad_sync_once": True, "need_critic": True,
+                                         "critic_grad_sync_once": True}), 80 * me.GIB)
+    assert once["update"]["gradients"] == 4 * m.params / 8 + 4 * m.params
+    assert once["critic_update"]["critic_gradients"] == 4 * m.params / 8 + 4 * m.params
+    assert plain["update"]["gradients"] == 4 * m.params / 8 + 4 * m.layer_params + 4 * m.root_params
+    assert once["resume"]["gradients"] == plain["resume"]["gradients"]
 
 
 _MEASURE = r'''

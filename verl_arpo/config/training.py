@@ -122,6 +122,10 @@ class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     reshard_after_forward: bool = True
+    grad_sync_once: bool = False
+    """Reduce-scatter the gradients once a mini-batch, after its last micro-batch, not after every
+    micro-batch (sharded_model.sync_gradients): fewer collectives, the unsharded fp32 gradients held
+    through the mini-batch. The sum's order changes, so the numbers do in the last bits."""
     fsdp_size: int = -1
     mixed_precision: MixedPrecisionConfig | None = None
     """null: bf16 parameters with fp32 reduction on CUDA, none (fp32) on the CPU."""

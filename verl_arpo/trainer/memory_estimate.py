@@ -117,6 +117,8 @@ class JobShape:
     critic_optimizer_offload: bool = False
     critic_train_tokens: int = 0   # tokens per GPU of a critic update micro-batch
     reshard_after_forward: bool = True   # false: every unit stays gathered through a mini-batch (and a log-prob pass)
+    grad_sync_once: bool = False         # true: every unit's fp32 gradients unsharded until the mini-batch's end
+    critic_grad_sync_once: bool = False
 
 
 def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
@@ -143,7 +145,9 @@ def job_shape(job: dict, dtype_bytes: int = 2) -> JobShape:
                     need_critic=d.need_critic, critic_param_offload=bool(c.critic.model.fsdp_config.param_offload),
                     critic_optimizer_offload=bool(c.critic.model.fsdp_config.optimizer_offload),
                     critic_train_tokens=tokens(d.critic_update) // d.critic_sp,
-                    reshard_after_forward=bool(a.fsdp_config.reshard_after_forward))
+                    reshard_after_forward=bool(a.fsdp_config.reshard_after_forward),
+                    grad_sync_once=bool(a.fsdp_config.grad_sync_once),
+                    critic_grad_sync_once=bool(c.critic.model.fsdp_config.grad_sync_once))
 
 
 def _ref_bytes(model_dtype: str | None, dtype_bytes: int) -> int:
@@ -183,6 +187,8 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
     # a layer + the prefetched one + root; with reshard_after_forward=false all of them (dp_actor.gather_once)
     gathered = b * ((2 * m.layer_params if j.reshard_after_forward else m.layers * m.layer_params) + m.root_params)
     reduce_buffer = 4 * m.layer_params                                         # one layer's fp32 gradients unsharded
+    # grad_sync_once: every unit's fp32 gradients (root included) accumulate unsharded through the mini-batch
+    held_grads = 4 * m.params - reduce_buffer - 4 * m.root_params              # beyond that layer and the root's
 
     def layer_working_set(tokens: int) -> float:                              # one layer's activations
         return b * tokens * (4 * m.hidden + m.q_dim + 2 * m.kv_dim + 3 * m.intermediate)
@@ -219,14 +225,14 @@ def estimate(m: ModelShape, j: JobShape, gpu_bytes: int) -> dict[str, dict[str, 
         "resume": dict(actor_params=shard, adam_moments=moments, gradients=grads, ref_params=ref,
                        engine=engine_asleep),
     }
-    phases["update"]["gradients"] += root_grad
+    phases["update"]["gradients"] += root_grad + (held_grads if j.grad_sync_once else 0)
     if j.need_critic:
         Tc = j.critic_train_tokens or T
         csaved = b * Tc * m.hidden * m.layers if j.gradient_checkpointing else layer_working_set(Tc) * m.layers
         phases["critic_update"] = dict(
             actor_params=shard, adam_moments=resident_moments, ref_params=ref, critic_params=critic_shard,
             critic_moments=critic_moments, critic_gradients=(0 if j.critic_param_offload else 4 * m.params / W)
-            + 4 * m.layer_params, gathered_units=gathered, activations=csaved + layer_working_set(Tc),
+            + 4 * m.layer_params + (held_grads + 4 * m.root_params if j.critic_grad_sync_once else 0), gathered_units=gathered, activations=csaved + layer_working_set(Tc),
             engine=engine_asleep)
         for name, parts in phases.items():
             if name != "critic_update":

@@ -197,6 +197,16 @@ def keep_gathered_after_backward(module: torch.nn.Module, keep: bool) -> None:
         module.set_reshard_after_backward(not keep)
 
 
+def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
+    """FSDP2's `set_requires_gradient_sync(sync)` on `module` and its FSDP units (no-op for a plain
+    module). With `sync` false on every micro-batch but a mini-batch's last (`fsdp_config.grad_sync_once`),
+    each unit accumulates its unsharded gradients in the reduce dtype and reduce-scatters them once a
+    mini-batch: Σ_ranks Σ_micro g instead of Σ_micro Σ_ranks g, the same sum in another order
+    (docs/performance.md, "Gradients reduced once a mini-batch")."""
+    if hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(sync)
+
+
 def maybe_reshard(module: torch.nn.Module) -> None:
     """FSDP2 leaves the root unsharded after a no_grad forward (and every unit with
     `reshard_after_forward=False`); reshard them all so the next state-dict/weight-sync sees sharded

@@ -52,7 +52,8 @@ from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.host_memory import HOST_MEMORY
 from verl_arpo.workers.optim_step import clip_grad_and_step
 from verl_arpo.workers.sequence_parallel import use_sequence_parallel
-from verl_arpo.workers.sharded_model import keep_gathered_after_backward, maybe_reshard, module_device, to_device
+from verl_arpo.workers.sharded_model import (keep_gathered_after_backward, maybe_reshard, module_device, sync_gradients,
+                                             to_device)
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
     check_trainable_attention,
     global_loss_counts,
@@ -110,6 +111,8 @@ class DataParallelPPOActor:
         # fsdp_config.reshard_after_forward=false: parameters stay gathered from a mini-batch's first
         # forward to its last backward (one all-gather a mini-batch; sharded_model.keep_gathered_after_backward)
         self.gather_once = bool(gather_once)
+        # fsdp_config.grad_sync_once: one gradient reduce-scatter a mini-batch (sharded_model.sync_gradients)
+        self.grad_sync_once = bool(self.config.fsdp_config.grad_sync_once)
         self.device = device if device is not None else module_device(actor_module)
         self.actor_optimizer = actor_optimizer
         if actor_optimizer is not None:
@@ -328,8 +331,11 @@ class DataParallelPPOActor:
                     with HOST_MEMORY.phase("update/forward"):
                         loss, stats = self._micro_loss(micro, agg, policy_loss_fn)
                     non_finite_losses += not math.isfinite(loss.item())
+                    last = micro_idx == len(micro_batches) - 1
                     if self.gather_once:   # resharded after the mini-batch's last backward, before the step
-                        keep_gathered_after_backward(self.actor_module, micro_idx < len(micro_batches) - 1)
+                        keep_gathered_after_backward(self.actor_module, not last)
+                    if self.grad_sync_once:   # every rank has the same number of micro-batches (split_micro_batches)
+                        sync_gradients(self.actor_module, last)
                     # activation checkpointing re-runs the forward here: same attention kernels
                     with HOST_MEMORY.phase("update/backward"), without_cudnn_attention(self.device):
                         loss.backward()

@@ -28,7 +28,7 @@ from verl_arpo.config import Batching, CriticConfig
 from verl_arpo.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl_arpo.utils.ulysses import SequenceParallel
 from verl_arpo.workers.optim_step import clip_grad_and_step
-from verl_arpo.workers.sharded_model import maybe_reshard, module_device, to_device
+from verl_arpo.workers.sharded_model import maybe_reshard, module_device, sync_gradients, to_device
 from verl_arpo.workers.training_core import (TokenWeightedMeans,
     check_trainable_attention,
     global_loss_counts,
@@ -67,6 +67,8 @@ class DataParallelPPOCritic:
         if critic_optimizer is not None:
             check_trainable_attention(critic_module, self.device, "critic.model")
         self.use_remove_padding = bool(self.config.model.use_remove_padding)
+        # fsdp_config.grad_sync_once: one gradient reduce-scatter a mini-batch (sharded_model.sync_gradients)
+        self.grad_sync_once = bool(self.config.model.fsdp_config.grad_sync_once)
         self.sp = use_sequence_parallel(critic_module, sp, self.use_remove_padding, "critic", "critic.model")
         self.dp_group = self.sp.dp_group if self.sp is not None else dp_group
         if self.sp is None and self.use_remove_padding:
@@ -133,8 +135,10 @@ class DataParallelPPOCritic:
                                                        self.update.max_token_len, dp_group=self.dp_group)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 means, vf_total = TokenWeightedMeans(), 0.0
-                for micro in micro_batches:
+                for micro_idx, micro in enumerate(micro_batches):
                     micro = to_device(micro, self.device)
+                    if self.grad_sync_once:   # every rank has the same number of micro-batches (split_micro_batches)
+                        sync_gradients(self.critic_module, micro_idx == len(micro_batches) - 1)
                     mask = micro["response_mask"]
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], mask,
