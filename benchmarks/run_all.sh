@@ -104,6 +104,9 @@ run decode_kernels benchmarks/bench_decode_kernels.py $(q --quick)
 if [[ -f $SFT/config.json ]]; then EW=(--model "$SFT" $(q --limit 300)); else EW=(--quick); fi
 run eval_workers benchmarks/bench_eval_workers.py "${EW[@]}"
 
+# 15. the actor update on the quickstart's 2 FSDP2 ranks: parameters gathered once, gradients reduced once, against FSDP2's defaults
+run update_ranks benchmarks/bench_update_ranks.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

@@ -4,6 +4,7 @@ at 4 seed pairs is not worse (docs/performance.md, "Levers that change the arith
 
     python experiments/check_lever.py --name one_process trainer.single_process=true trainer.n_gpus_per_node=1
     python experiments/check_lever.py --name one_process --report     # the report from the stored runs only
+    python experiments/check_lever.py --name balance_by_tree --code "balance_batch weighs a group by its prefix tree"
 
 Each seed pair trains the comparison's ARPO arm twice from one SFT model, as the tuning protocol has it
 (compare_algorithms.py `--protocol tune`: the fresh validation split, seed pairs 50..., two
@@ -48,7 +49,7 @@ BASELINE_STORE = "baseline"
 
 
 def lever_report(sft_eval: dict, base_runs: dict[int, dict], lever_runs: dict[int, dict], name: str,
-                 overrides: list[str]) -> dict[str, Any]:
+                 overrides: list[str], code: str | None = None) -> dict[str, Any]:
     """The lever against the baseline over the pairs both finished (pure: the stored records only).
 
     Per pair k: acc_k(arm) = mean over questions of correct; d_k = acc_k(lever) − acc_k(baseline).
@@ -69,7 +70,7 @@ def lever_report(sft_eval: dict, base_runs: dict[int, dict], lever_runs: dict[in
         return [read(base_runs[k]), read(lever_runs[k])]
 
     sft_correct = np.asarray(sft_eval["correct"], dtype=float)
-    report: dict[str, Any] = {"lever": name, "overrides": overrides, "arm": ARM, "pairs": pairs,
+    report: dict[str, Any] = {"lever": name, "overrides": overrides, **({"code": code} if code else {}), "arm": ARM, "pairs": pairs,
                               "n_questions": len(questions), "sft_accuracy": float(sft_correct.mean())}
     if not pairs:
         return {**report, "verdict": "no pair finished by both yet"}
@@ -88,7 +89,7 @@ def lever_report(sft_eval: dict, base_runs: dict[int, dict], lever_runs: dict[in
                  "rl_s": both(k, lambda r: r["wall_s"]["rl"]), "eval_s": both(k, lambda r: r["wall_s"]["eval"]),
                  "step_s": both(k, lambda r: r["train"]["mean"].get("step_s")),
                  "executed_tool_calls_per_traj": both(k, lambda r: r["train"]["mean"].get("executed_tool_calls_per_traj")),
-                 "load_avg_start": both(k, lambda r: r.get("load_avg_start"))}
+                 "load_avg_start": both(k, lambda r: r.get("load_avg_start")), "commit": both(k, lambda r: r.get("commit"))}
                 for i, k in enumerate(pairs)]
     rl_s = np.array([r["rl_s"] for r in per_pair], dtype=float)
     return {**report, "per_pair": per_pair, "lever_minus_baseline": diff,
@@ -100,6 +101,9 @@ def lever_report(sft_eval: dict, base_runs: dict[int, dict], lever_runs: dict[in
 def markdown(rep: dict[str, Any]) -> str:
     head = [f"# Lever `{rep['lever']}` against the baseline ({rep['arm']}, validation split, "
             f"{rep['n_questions']} questions)", "", f"Overrides: `{' '.join(rep['overrides']) or '(none)'}`", "",
+            *([f"Code: {rep['code']} (commits of the runs, baseline / lever: "
+               f"{', '.join(sorted({str(r['commit'][0]) for r in rep.get('per_pair', [])}))} / "
+               f"{', '.join(sorted({str(r['commit'][1]) for r in rep.get('per_pair', [])}))})", ""] if rep.get("code") else []),
             f"**{rep['verdict']}**", ""]
     if not rep["pairs"]:
         return "\n".join(head)
@@ -134,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="auto")
     p.add_argument("--both", action="append", default=[], metavar="KEY=VALUE",
                    help="a Hydra override for the baseline and the lever alike (e.g. a smaller batch for --tiny)")
+    p.add_argument("--code", default=None, metavar="TEXT",
+                   help="a lever that is a change in the code, not a key: what changed. Its runs are this checkout's; "
+                        "the baseline's stored runs must come from before the change (each run records its commit)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="the lever: Hydra overrides of its runs only")
     return p
 
@@ -152,8 +159,10 @@ def main(argv: list[str] | None = None) -> dict:
         if not (lever_store.root / "sft.json").exists():
             p.error(f"--report: {lever_store.root} holds no run yet")
         return write_report(a, base_store, lever_store)
-    if not a.overrides:
-        p.error("a lever is its overrides: give at least one KEY=VALUE")
+    if not a.overrides and not a.code:
+        p.error("a lever is its overrides: give at least one KEY=VALUE (or --code TEXT for a change in the code)")
+    if a.code and not (base_store.root / "sft.json").exists():
+        p.error(f"--code: {base_store.root} holds no baseline run yet; a code lever pairs with runs stored before the change")
     precision = resolve_precision(a.precision)
     rl_steps, sft_steps = a.rl_steps or (2 if a.smoke else 13), 2 if a.smoke else SFT_STEPS
     arms = {}
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     for store in (base_store, lever_store):
         store.bind(sft_sha, precision, sft_eval)
     pin(base_store.root, {"both": a.both})
-    pin(lever_store.root, {"both": a.both, "overrides": a.overrides})
+    pin(lever_store.root, {"both": a.both, "overrides": a.overrides, **({"code": a.code} if a.code else {})})
     for pair in range(protocol.first_pair, protocol.first_pair + a.pairs):
         for exp, store in arms.values():
             if store.get(ARM, pair) is None:
@@ -195,9 +204,10 @@ def write_report(a: argparse.Namespace, base_store: Store, lever_store: Store, s
         raise SystemExit(f"{base_store.root} holds runs of another SFT model or precision than {lever_store.root}: "
                          "they cannot be paired")
     held = lever_store.root / "settings.json"
-    overrides = json.loads(held.read_text())["overrides"] if held.exists() else a.overrides
+    settings = json.loads(held.read_text()) if held.exists() else {"overrides": a.overrides, "code": getattr(a, "code", None)}
+    overrides, code = settings["overrides"], settings.get("code")
     rep = lever_report(sft["eval"], {k: r for (arm, k), r in base_store.runs().items() if arm == ARM},
-                       {k: r for (arm, k), r in lever_store.runs().items() if arm == ARM}, a.name, overrides)
+                       {k: r for (arm, k), r in lever_store.runs().items() if arm == ARM}, a.name, overrides, code)
     rep.update(precision=sft["precision"], sft_sha256=sft["sft_sha256"], time=time.strftime("%Y-%m-%dT%H:%M:%S"),
                machine={"nproc": os.cpu_count(), "cpu_flags": cpu_flags()})
     a.results.mkdir(parents=True, exist_ok=True)

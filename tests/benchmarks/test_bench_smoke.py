@@ -143,6 +143,7 @@ SMOKES = {
     "sequence_parallel": ["bench_sequence_parallel.py", "--quick"],
     "decode_kernels": ["bench_decode_kernels.py", "--quick"],
     "eval_workers": ["bench_eval_workers.py", "--quick"],
+    "update_ranks": ["bench_update_ranks.py", "--quick"],
 }
 
 

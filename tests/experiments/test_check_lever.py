@@ -80,11 +80,22 @@ def test_a_store_keeps_the_settings_its_runs_were_made_with(tmp_path):
     (["--name", "baseline", "a=b"], "name the lever"),
     (["--name", "x", "nokey"], "'nokey' is not a Hydra override"),
     (["--name", "x"], "a lever is its overrides"),
+    (["--name", "x", "--code", "a kernel"], "holds no baseline run yet"),   # a code lever pairs with earlier runs
 ])
 def test_bad_arguments_are_refused(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         cl.main([*argv, "--out", str(tmp_path / "o"), "--results", str(tmp_path / "r")])
     assert message in capsys.readouterr().err
+
+
+def test_a_code_lever_reports_what_changed_and_each_arm_s_commits():
+    sft = _eval([0, 0, 0, 0])
+    base = {k: {**_run([1, 0, 1, 0]), "commit": "aaa1111"} for k in (50, 51)}
+    lever = {k: {**_run([1, 1, 1, 0]), "commit": "bbb2222"} for k in (50, 51)}
+    rep = cl.lever_report(sft, base, lever, "tree", [], code="balance by prefix tree")
+    assert rep["code"] == "balance by prefix tree" and rep["per_pair"][0]["commit"] == ["aaa1111", "bbb2222"]
+    assert "Code: balance by prefix tree (commits of the runs, baseline / lever: aaa1111 / bbb2222)" in cl.markdown(rep)
+    assert "Code:" not in cl.markdown(cl.lever_report(sft, base, lever, "key", ["a=1"]))
 
 
 def test_the_report_refuses_a_baseline_of_another_sft_model(tmp_path):

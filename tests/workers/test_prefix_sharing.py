@@ -294,6 +294,22 @@ def test_rank_balance_keeps_groups_whole(caplog):
     assert sorted(fallback) == list(range(6)) and "cannot be split evenly" in caplog.text
 
 
+def test_rank_balance_weighs_a_group_by_its_prefix_tree():
+    """With the rows' tokens, a group weighs the tokens a prefix-shared forward computes. Every group
+    below has 4 rows of 20 tokens (80 in rows), so the row sums cannot tell them apart; their trees
+    (by hand: a 10-token prompt plus the distinct answer tokens) are a 20, b 50, c 50, d 20."""
+    same, distinct = [[1] * 10] * 4, [[1] * 10, [2] * 10, [3] * 10, [4] * 10]
+    prompt = {g: [100 + g] * 10 for g in range(4)}
+    answers = {0: same, 1: distinct, 2: distinct, 3: same}
+    rows = [prompt[g] + a for g in range(4) for a in answers[g]]
+    uids = [g for g in range(4) for _ in range(4)]
+    assert [tree_size(rows[4 * g:4 * g + 4]) for g in range(4)] == [20, 50, 50, 20]
+    order = balance_batch_indices([len(r) for r in rows], 2, groups=uids, tokens=rows)
+    shard_trees = sorted(sum(tree_size(rows[4 * g:4 * g + 4]) for g in {uids[i] for i in s})
+                         for s in (order[:8], order[8:]))
+    assert shard_trees == [70, 70]   # one heavy and one light group a rank (the only even split)
+
+
 def _random_groups(rng, groups, n, prompt_max=8, resp_max=12):
     prompts, responses = [], []
     for g in range(groups):

@@ -267,7 +267,7 @@ def split_micro_batches(batch, use_dynamic_bsz: bool, micro_batch_size: int | No
 # Data-parallel balancing (trainer.balance_batch)
 # --------------------------------------------------------------------------------------------
 def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int,
-                          groups: Sequence | None = None) -> list[int]:
+                          groups: Sequence | None = None, tokens: Sequence[Sequence[int]] | None = None) -> list[int]:
     """Row order for token-balanced data-parallel shards.
 
     Returns a permutation `order` of 0..n−1 (n divisible by dp_size): after
@@ -275,7 +275,11 @@ def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int,
     rows and the shard token sums are Karmarkar–Karp balanced. Rows keep ascending order inside
     a shard. `groups` (a group id per row, e.g. the prompt uid; for prefix sharing) keeps each
     group's rows on one rank when every group has the same size and the groups divide evenly
-    among the ranks; otherwise rows are balanced one by one (a warning says so).
+    among the ranks; otherwise rows are balanced one by one (a warning says so). With `tokens`
+    (each row's valid tokens) a group weighs the size of its prefix tree, the tokens a
+    prefix-shared forward computes (prefix_packing.tree_size), instead of the sum of its rows'
+    lengths: a group of identical answers then weighs one answer, not n (docs/performance.md,
+    "Gradients reduced once a mini-batch").
     """
     lens = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
     if groups is not None:
@@ -284,7 +288,9 @@ def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int,
             members.setdefault(g, []).append(i)
         units = list(members.values())
         if len({len(u) for u in units}) == 1 and len(units) % dp_size == 0:
-            parts = get_seqlen_balanced_partitions([sum(lens[i] for i in u) for u in units], dp_size, equal_size=True)
+            weights = ([tree_size([tokens[i] for i in u]) for u in units] if tokens is not None
+                       else [sum(lens[i] for i in u) for u in units])
+            parts = get_seqlen_balanced_partitions(weights, dp_size, equal_size=True)
             return [i for p in parts for i in sorted(i for u in p for i in units[u])]
         logger.warning("balance_batch: %d groups of sizes %s cannot be split evenly over %d ranks; balancing rows "
                        "one by one (groups are split, so their shared prompts are computed on several ranks)",
