@@ -9,6 +9,11 @@ Three measurements, at SmolLM2-135M's shapes (hidden 576, MLP 1536, 9 query / 3 
 - **decode attention**: `grouped_decode_attention` (the HF engine's CPU decode attention) at `rows` rows
   × `cached` tokens, bf16 against fp32, and its two batched matmuls alone (how much of it is the
   matmuls).
+- **the cache's layout**: the decode cache (kv_room.py) hands keys and values as views of the first
+  `cached` positions of a buffer with `--room` more, so a row's block is `cached` of `cached + room`
+  positions apart. The two batched matmuls on those views (the strided baseline) against the same
+  matmuls on contiguous copies, the copy included (what `grouped_decode_attention` now does), and
+  whether both give the same bits.
 - **row-count dependence**: the row counts m for which `F.linear` of the first m rows alone differs in
   any bit from the same rows of the full batch. A lever that changes which rows a decode step computes
   together (larger batches, compacting the cache less often) changes the numbers where this is not
@@ -79,6 +84,28 @@ def time_decode_attention(rows: int, cached: int, dtype: torch.dtype, reps: int)
     return whole, matmuls
 
 
+def time_cache_layout(rows: int, cached: int, room: int, dtype: torch.dtype, reps: int) -> dict:
+    """The decode attention's two matmuls on views of a buffer with room (as the cache passes them)
+    against contiguous copies of those views, the copy timed too; and whether the products are equal."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(rows, KV_HEADS, cached + room, HEAD_DIM, generator=g).to(dtype)[:, :, :cached]
+    v = torch.randn(rows, KV_HEADS, cached + room, HEAD_DIM, generator=g).to(dtype)[:, :, :cached]
+    p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)).float(), -1).to(dtype)
+
+    def strided():
+        return torch.matmul(q, k.transpose(-1, -2)), torch.matmul(p, v)
+
+    def copied():
+        return torch.matmul(q, k.contiguous().transpose(-1, -2)), torch.matmul(p, v.contiguous())
+
+    same = all(torch.equal(a, b) for a, b in zip(strided(), copied()))
+    strided_s, copied_s = median_seconds(strided, reps), median_seconds(copied, reps)
+    return {"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "rows": rows, "cached": cached, "room": room,
+            "strided_ms": strided_s * 1e3, "copied_ms": copied_s * 1e3, "speedup": strided_s / copied_s,
+            "same_bits": same}
+
+
 def rows_that_differ(dtype: torch.dtype, batch: int, candidates: list[int]) -> list[int]:
     """The m in `candidates` for which F.linear(x[:m]) differs in any bit from F.linear(x)[:m]."""
     g = torch.Generator().manual_seed(0)
@@ -94,12 +121,14 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", default="4,12,150,1024", help="comma-separated row counts of the linears")
     p.add_argument("--attn_rows", type=int, default=150)
     p.add_argument("--cached", type=int, default=300, help="cached tokens per row of the decode attention")
+    p.add_argument("--room", type=int, default=256, help="spare positions of the decode cache's buffer (kv_room.ROOM)")
+    p.add_argument("--layout_rows", default="12,150", help="rows of the cache-layout case (an RL worker's, the evaluation's)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="small sizes, few repetitions (a smoke run)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_kernels.json"))
     a = p.parse_args(argv)
     if a.quick:
-        a.rows, a.attn_rows, a.cached, a.reps = "4,32", 16, 64, 3
+        a.rows, a.attn_rows, a.cached, a.reps, a.layout_rows, a.room = "4,32", 16, 64, 3, "4,16", 32
     torch.set_num_threads(a.threads)
     machine = machine_info()
 
@@ -120,6 +149,11 @@ def main(argv=None) -> dict:
     print_table(attention, ["dtype", "rows", "cached", "ms", "matmuls_ms", "matmul_share"],
                 "grouped decode attention, one layer")
 
+    layout = [time_cache_layout(int(rows), a.cached, a.room, dt, a.reps)
+              for rows in a.layout_rows.split(",") for dt in DTYPES.values()]
+    print_table(layout, ["dtype", "rows", "cached", "room", "strided_ms", "copied_ms", "speedup", "same_bits"],
+                "decode attention's matmuls on the cache's views: strided against copied first, one layer")
+
     candidates = [1, 2, 3, 4, 5, 8, 12, 16, 17, 32, 64, 100, 149]
     differ = {name: rows_that_differ(dt, 150, candidates) for name, dt in DTYPES.items()}
     print(f"row counts whose rows differ from the same rows of a 150-row batch: {differ}")
@@ -129,7 +163,10 @@ def main(argv=None) -> dict:
     bf16_attn, fp32_attn = attention
     summary.append(summary_entry(f"decode attention, {a.attn_rows} rows x {a.cached} cached: bf16 ms (fp32 baseline)",
                                  bf16_attn["ms"], fp32_attn["ms"], fp32_attn["ms"] / bf16_attn["ms"], None))
-    payload = {"machine": machine, "threads": a.threads, "linears": linears, "attention": attention,
+    summary += [summary_entry(f"decode attention's matmuls on the cache's views, {r['dtype']}, {r['rows']} rows x "
+                              f"{r['cached']} cached: copied first, ms (strided baseline; same bits: {r['same_bits']})",
+                              r["copied_ms"], r["strided_ms"], r["speedup"], None) for r in layout]
+    payload = {"machine": machine, "threads": a.threads, "linears": linears, "attention": attention, "cache_layout": layout,
                "row_count_changes_bits": differ, "row_candidates": candidates, "summary": summary}
     write_json(a.out, payload)
     return payload

@@ -279,7 +279,7 @@ def balance_batch_indices(seqlens: Sequence[int] | torch.Tensor, dp_size: int,
     (each row's valid tokens) a group weighs the size of its prefix tree, the tokens a
     prefix-shared forward computes (prefix_packing.tree_size), instead of the sum of its rows'
     lengths: a group of identical answers then weighs one answer, not n (docs/performance.md,
-    "Gradients reduced once a mini-batch").
+    "The ranks balanced by the tokens they train").
     """
     lens = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
     if groups is not None:
