@@ -43,12 +43,13 @@ def grouped_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: 
                                       scaling=scaling, **kwargs)
     r = H // H_kv
     scale = D ** -0.5 if scaling is None else scaling
-    # The decode cache hands its keys and values as views of a buffer with room to grow (kv_room.py):
-    # batch stride capacity·D, not T·D. The CPU's batched matmul runs such strides on a slower path
-    # (1.7x at 150 rows × 300 cached, one thread); copying them contiguous first costs less than that and
-    # gives the same bits (benchmarks/bench_decode_kernels.py, "the cache's layout"). A no-op when they
-    # are contiguous already.
-    key, value = key.contiguous(), value.contiguous()
+    if key.dtype == torch.bfloat16:
+        # The decode cache hands its keys and values as views of a buffer with room to grow (kv_room.py):
+        # batch stride capacity·D, not T·D. The CPU's bf16 batched matmul runs such strides on a slower
+        # path; copying them contiguous first costs less and gives the same bits. In fp32 the strided
+        # matmul is the faster one (benchmarks/bench_decode_kernels.py, "the cache's layout";
+        # docs/performance.md, "The decode attention's keys and values copied contiguous in bf16").
+        key, value = key.contiguous(), value.contiguous()
     q = query.reshape(B, H_kv, r, D)                                   # heads of one group together
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, H_kv, r, T]
     if attention_mask is not None:
