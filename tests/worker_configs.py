@@ -4,6 +4,8 @@ the per-worker batching a run derives (`JobConfig.derived`) for one worker and r
 the section's batch sizes are the worker's own; for the agent loop its call limit and seed."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from verl_arpo.config import (ActorConfig, Batching, CriticConfig, RolloutSection, from_mapping,
                               kl_term_active)
 
@@ -33,6 +35,34 @@ def rollout(call_limit: int | None = None, seed: int | None = None, **keys) -> t
     cfg = from_mapping(RolloutSection, keys, "actor_rollout_ref.rollout")
     return cfg, dict(call_limit=cfg.tools.call_limit if call_limit is None else call_limit,
                      seed=cfg.seed if seed is None else seed)
+
+
+@contextmanager
+def gloo_rank_counting(rank: int, world: int, port: int, owner, name: str):
+    """A spawned rank of a multi-process FSDP test: one torch thread, a gloo process group on 127.0.0.1:port,
+    and `owner.name` (e.g. FSDP2's foreach_all_gather) wrapped to count its calls. Yields {"n": calls};
+    restores the function and destroys the group on exit."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    calls = {"n": 0}
+    real = getattr(owner, name)
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    setattr(owner, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, real)
+        dist.destroy_process_group()
 
 
 def rank_share(data_path, rank: int, world: int):

@@ -19,7 +19,7 @@ from verl_arpo.utils.torch_functional import compute_position_id_with_mask
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.sharded_model import enable_activation_checkpointing
 from verl_arpo.config import ActorConfig, PolicyLossConfig, RolloutCorrection
-from worker_configs import actor_kwargs, log_probs, rank_share
+from worker_configs import actor_kwargs, gloo_rank_counting, log_probs, rank_share
 
 P, R = 6, 8
 
@@ -506,26 +506,27 @@ def test_every_training_forward_runs_without_cudnn_attention_on_cuda(model, monk
     assert devices and set(devices) == {next(m.parameters()).device}
 
 
+def run_two_ranks(rank_fn, model_dir, tmp_path) -> dict:
+    """`rank_fn(rank, 2, port, model_dir, data_path, out_path)` on two spawned gloo ranks over an 8-row batch
+    of uneven rows (several token-budget micro-batches a rank); what rank 0 saved at out_path."""
+    import torch.multiprocessing as mp
+
+    data = make_batch(load_model(model_dir).config.vocab_size, B=8, seed=8,
+                      prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])
+    data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
+    torch.save(data, data_path)
+    mp.start_processes(rank_fn, args=(2, _free_port(), model_dir, str(data_path), str(out_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    return torch.load(out_path, weights_only=False)
+
+
 def _gather_once_rank(rank, world, port, model_dir, data_path, out_path):
     """One update of the dynamic case per setting, counting FSDP2's all-gathers."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group   # where FSDP2 all-gathers
 
     from verl_arpo.workers.sharded_model import shard_fsdp2
 
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group   # where FSDP2 all-gathers
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    calls = {"n": 0}
-    real = param_group.foreach_all_gather
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    param_group.foreach_all_gather = counted
-    try:
+    with gloo_rank_counting(rank, world, port, param_group, "foreach_all_gather") as calls:
         mesh, data, half = rank_share(data_path, rank, world)
         results = {}
         for gather_once in (False, True):
@@ -544,25 +545,13 @@ def _gather_once_rank(rank, world, port, model_dir, data_path, out_path):
                                         metrics=metrics, gathers=gathers, units=units, lp=lp)
         if rank == 0:
             torch.save(results, out_path)
-    finally:
-        param_group.foreach_all_gather = real
-        dist.destroy_process_group()
 
 
 def test_parameters_gathered_once_a_mini_batch_give_the_same_update(tiny_model_dir, tmp_path):
     """fsdp_config.reshard_after_forward=false: each FSDP unit all-gathers once a mini-batch (here one,
     of several micro-batches) instead of twice a micro-batch, and the update is the same bit for bit,
     as are the log-probs the next pass computes with the new weights."""
-    import torch.multiprocessing as mp
-
-    data = make_batch(load_model(tiny_model_dir).config.vocab_size, B=8, seed=8,
-                      prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])
-    data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
-    torch.save(data, data_path)
-    mp.start_processes(_gather_once_rank, args=(2, _free_port(), tiny_model_dir, str(data_path), str(out_path)),
-                       nprocs=2, join=True, start_method="spawn")
-    r = torch.load(out_path, weights_only=False)
-    base, once = r[False], r[True]
+    base, once = (r := run_two_ranks(_gather_once_rank, tiny_model_dir, tmp_path))[False], r[True]
     for k, v in base["params"].items():
         assert torch.equal(v, once["params"][k]), k
     assert base["metrics"]["actor/pg_loss"] == once["metrics"]["actor/pg_loss"]

@@ -1,36 +1,21 @@
 """fsdp_config.grad_sync_once: the actor's and the critic's gradients reduce-scattered once a mini-batch
 (sharded_model.sync_gradients), on two real gloo ranks, against the per-micro-batch reduction."""
-import os
-
 import torch
 
-from verl_arpo.single_controller.base import find_free_port
 from verl_arpo.workers.actor.dp_actor import DataParallelPPOActor
 from verl_arpo.workers.critic.dp_critic import DataParallelPPOCritic
-from test_dp_actor import load_model, make_batch
+from test_dp_actor import load_model, run_two_ranks
 from test_dp_critic import load_critic, make_batch as critic_batch
-from worker_configs import actor_kwargs, critic_kwargs, rank_share
+from worker_configs import actor_kwargs, critic_kwargs, gloo_rank_counting, rank_share
 
 
 def _grad_sync_rank(rank, world, port, model_dir, data_path, out_path):
     """One actor update and one critic update per setting, counting FSDP2's gradient reduce-scatters."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group   # where FSDP2 reduces
 
     from verl_arpo.workers.sharded_model import shard_fsdp2
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    calls = {"n": 0}
-    real = param_group.foreach_reduce
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    param_group.foreach_reduce = counted
-    try:
+    with gloo_rank_counting(rank, world, port, param_group, "foreach_reduce") as calls:
         mesh, data, half = rank_share(data_path, rank, world)
         full_critic = critic_batch(load_model(model_dir).config.vocab_size, B=2 * half, seed=3)
         critic_data = full_critic.slice(rank * half, (rank + 1) * half)
@@ -59,25 +44,13 @@ def _grad_sync_rank(rank, world, port, model_dir, data_path, out_path):
                                  critic_units=sum(1 for m in value_model.modules() if hasattr(m, "reshard")))
         if rank == 0:
             torch.save(results, out_path)
-    finally:
-        param_group.foreach_reduce = real
-        dist.destroy_process_group()
 
 
 def test_gradients_reduced_once_a_mini_batch_give_the_same_update(tiny_model_dir, tmp_path):
     """Each FSDP unit reduce-scatters once for a mini-batch of several micro-batches (the plain path once
     a micro-batch), and the weights after the step equal the plain path's up to the order of the
     fp32 sum (Σ_ranks Σ_micro instead of Σ_micro Σ_ranks): both the actor's and the critic's."""
-    import torch.multiprocessing as mp
-
-    data = make_batch(load_model(tiny_model_dir).config.vocab_size, B=8, seed=8,
-                      prompt_lens=[6, 5, 6, 4, 1, 2, 1, 3], resp_lens=[8, 7, 8, 6, 2, 3, 2, 4])
-    data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
-    torch.save(data, data_path)
-    mp.start_processes(_grad_sync_rank, args=(2, find_free_port(), tiny_model_dir, str(data_path), str(out_path)),
-                       nprocs=2, join=True, start_method="spawn")
-    r = torch.load(out_path, weights_only=False)
-    base, once = r[False], r[True]
+    base, once = (r := run_two_ranks(_grad_sync_rank, tiny_model_dir, tmp_path))[False], r[True]
     start, moved = load_model(tiny_model_dir).state_dict(), 0.0
     for k, v in base["params"].items():
         torch.testing.assert_close(once["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
