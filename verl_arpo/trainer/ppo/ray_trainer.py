@@ -314,16 +314,16 @@ class RayPPOTrainer:
 
     def _balance_batch(self, batch: DataProto) -> None:
         """Reorder trajectories so every data-parallel rank gets a similar number of tokens."""
-        from verl_arpo.utils.prefix_packing import valid_rows
         from verl_arpo.utils.seqlen_balancing import balance_batch_indices
 
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        # prefix sharing computes a prompt, and a group's shared answer prefixes, once per micro-batch:
-        # keep each prompt's rows on one rank and weigh a group by the tokens its prefix tree holds
+        # prefix sharing computes a prompt once per micro-batch: keep each prompt's rows on one rank.
+        # Weighing a group by its prefix tree (balance_batch_indices' `tokens`) changes which rank trains
+        # what; it waits for its 4-seed-pair check (docs/performance.md, "The ranks balanced by the tokens
+        # they train").
         share = self.config.actor_rollout_ref.model.use_prefix_sharing
         groups = batch.non_tensor_batch["uid"] if share else None
-        tokens = valid_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if share else None
-        order = balance_batch_indices(seqlens, self.n_workers, groups=groups, tokens=tokens)
+        order = balance_batch_indices(seqlens, self.n_workers, groups=groups)
         batch.reorder(torch.as_tensor(np.asarray(order), dtype=torch.long))
 
     def _score(self, batch: DataProto, reward_fn, metrics: dict | None = None) -> dict:
