@@ -150,15 +150,15 @@ def test_an_sft_model_is_reused_only_for_the_arguments_it_was_trained_with(tmp_p
     assert not sft_model_matches(d, asked)                      # a record without the model
 
 
-def test_the_base_model_answers_the_first_150_questions_and_the_claim_all():
+def test_the_base_model_answers_the_first_60_questions_and_the_claim_all():
     """[issue 47] the base evaluation is context (what SFT bought); RL − SFT, the claim, uses every question."""
     from verl_arpo.quickstart import BASE_EVAL_QUESTIONS, eval_args, eval_limit
 
-    assert BASE_EVAL_QUESTIONS == 150
-    assert eval_limit("base", None) == 150 and eval_limit("base", 30) == 30 and eval_limit("base", 400) == 150
+    assert BASE_EVAL_QUESTIONS == 60
+    assert eval_limit("base", None) == 60 and eval_limit("base", 30) == 30 and eval_limit("base", 400) == 60
     assert eval_limit("sft", None) is None and eval_limit("rl", None) is None and eval_limit("rl", 30) == 30
     args = eval_args(eval_limit("base", None))
-    assert args[args.index("--limit") + 1] == "150" and "--limit" not in eval_args(eval_limit("sft", None))
+    assert args[args.index("--limit") + 1] == "60" and "--limit" not in eval_args(eval_limit("sft", None))
 
 
 def test_a_stage_starts_with_how_its_threads_wait_chosen_then(tmp_path, monkeypatch, capsys):
