@@ -107,6 +107,9 @@ run eval_workers benchmarks/bench_eval_workers.py "${EW[@]}"
 # 15. the actor update on the quickstart's 2 FSDP2 ranks: parameters gathered once, gradients reduced once, against FSDP2's defaults
 run update_ranks benchmarks/bench_update_ranks.py $(q --quick)
 
+# 16. the SFT step without the padding mask (right padding: the causal mask alone) against the step with it
+run sft_step benchmarks/bench_sft_step.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

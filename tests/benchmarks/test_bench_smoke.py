@@ -144,6 +144,7 @@ SMOKES = {
     "decode_kernels": ["bench_decode_kernels.py", "--quick"],
     "eval_workers": ["bench_eval_workers.py", "--quick"],
     "update_ranks": ["bench_update_ranks.py", "--quick"],
+    "sft_step": ["bench_sft_step.py", "--quick"],
 }
 
 

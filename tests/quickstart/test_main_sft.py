@@ -151,3 +151,42 @@ def test_every_sft_forward_runs_without_cudnn_attention_on_cuda(tiny_model_dir, 
     assert len(seen) == 4 + 2 and not any(seen), seen
     assert devices and set(devices) == {torch.device("cpu")}
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_right_padded_batches_train_without_a_padding_mask(tiny_model_dir, sft_file):
+    """[issue 47] collate right-pads, so the causal mask alone hides the pads from every real position:
+    token_nll_sum passes no attention mask then (SDPA's causal kernel), and its loss and gradients equal
+    a plain loop's over the rows one at a time without padding. A batch padded on the left keeps its mask."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ds = main_sft.SFTDataset(sft_file, tok, 2048)
+    rows = [ds[i] for i in range(4)]
+    assert len({len(r["input_ids"]) for r in rows}) > 1       # the batch has padding
+    batch = main_sft.collate(rows, tok.pad_token_id)
+    seen = []
+    model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+
+    def grads_of(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ours = main_sft.token_nll_sum(model, batch)
+    assert seen == [None]
+    ours_grads = grads_of(ours)
+    plain = torch.zeros(())
+    for r in rows:  # one row at a time: no padding, no mask
+        ids = torch.tensor([r["input_ids"]])
+        mask = torch.tensor(r["loss_mask"][1:], dtype=torch.bool)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        plain = plain - logp.gather(-1, ids[0, 1:, None])[:, 0][mask].sum()
+    plain_grads = grads_of(plain)
+    assert torch.allclose(ours.detach(), plain.detach(), rtol=1e-5), (float(ours), float(plain))
+    for a, b in zip(ours_grads, plain_grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    left = {k: v.flip(1) for k, v in batch.items()}         # pads first: the mask is needed, and kept
+    assert main_sft.attention_mask_needed(left["attention_mask"]) is left["attention_mask"]
+    assert main_sft.attention_mask_needed(batch["attention_mask"]) is None
