@@ -65,6 +65,7 @@ from verl_arpo.workers.rollout.engines.base import (
     topk_with_sampled,
     common_prefix_len,
 )
+from verl_arpo.workers.rollout.engines import fused_projections
 from verl_arpo.workers.rollout.engines.hf_continuous import ContinuousScheduler
 from verl_arpo.workers.rollout.engines.hf_requests import KV, Batch, Row, StopChecker, row_output
 from verl_arpo.workers.rollout.engines.hf_weights import EngineWeights
@@ -106,6 +107,8 @@ class HFEngine(EngineWeights, InferenceEngine):
         kv_room: spare positions the decode cache sets aside per allocation (kv_room.py); 0
             concatenates at every step as transformers' `DynamicLayer` does (for comparisons).
         share_prefix: encode the prefix that the fresh prompts of one call share once.
+        fuse_projections: decode steps compute each layer's q/k/v and gate/up projections as one
+            matmul each (fused_projections.py); None = on when the engine owns its weights on a CPU.
 
     A module shared with the trainer (no copy) changes under the engine at every optimizer step:
     call `release()` after each step (there is then no need for `update_weights`).
@@ -115,7 +118,7 @@ class HFEngine(EngineWeights, InferenceEngine):
                  attn_implementation: str | None = None, max_batch_size: int = 64,
                  kv_cache: bool = True, max_prefill_tokens: int = 16384,
                  max_cached_tokens: int | None = None, seed: int = 0, share_prefix: bool = True,
-                 kv_room: int = ROOM):
+                 kv_room: int = ROOM, fuse_projections: bool | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -152,6 +155,12 @@ class HFEngine(EngineWeights, InferenceEngine):
         self.reuse_kv = bool(kv_cache)
         self.kv_room = max(0, int(kv_room))
         self.share_prefix = bool(share_prefix)
+        if fuse_projections is None:
+            fuse_projections = self._owns_weights and self.device.type == "cpu"
+        if fuse_projections and not self._owns_weights:
+            raise ValueError("HFEngine fuse_projections=True needs weights of its own: a module shared with the "
+                             "trainer changes under the engine without update_weights")
+        self.fused_groups = fused_projections.fuse(self.model) if fuse_projections else 0
         if kv_cache and (why := _why_no_kv_reuse(self.model)):
             logger.warning("HFEngine: %s; the KV cache is not kept across rounds (every round "
                            "re-encodes the full context)", why)

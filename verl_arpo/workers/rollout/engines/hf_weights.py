@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from verl_arpo.workers.rollout.engines import fused_projections
+
 
 class EngineWeights:
     """Mixin for HFEngine (needs `model`, `device`, `release()`, and the flags `_asleep`,
@@ -36,6 +38,7 @@ class EngineWeights:
         if not self._owns_weights:
             return False
         self.release()
+        fused_projections.release(self.model)   # the stacked q/k/v and gate/up buffers go with the weights
         for p in self.model.parameters():   # unique parameters: a tied weight once
             if p not in self._discarded:
                 self._discarded[p] = p.shape
