@@ -100,7 +100,7 @@ BASE_EVAL_QUESTIONS = 60
 It says what SFT bought, which the table shows, not what the run claims (the paired RL − SFT gain
 on all 600): a base model that has not learnt the tags runs to the length limit on most questions,
 so its evaluation was the slowest stage (639 of 2,527 s on a bf16 machine; issue 47). It scored 0 of
-150 at every run so far, and 60 questions bound its accuracy below ~0.06 (95%), against the SFT model's
+150 in every recorded quickstart run, and 60 questions bound its accuracy below ~0.06 (95%), against the SFT model's
 ~0.8: all the table needs (docs/performance.md, "Where the quickstart's time goes")."""
 SMOKE = {"questions": 6, "response_length": 40, "sft_steps": 2, "sft_batch_size": 1, "rl_steps": 2,
          "rl_overrides": ["data.train_batch_size=3", "data.max_response_length=40",
