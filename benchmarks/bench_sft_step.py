@@ -1,15 +1,14 @@
-"""The SFT step with and without the padding mask, against the step with it measured in the same run.
+"""The SFT step without the padding mask, against the step with it measured in the same run.
 
 The quickstart's SFT (issue 47: ~23% of its time) trains right-padded micro-batches (`main_sft.collate`).
-Under a causal model the pads come after every real position, so the causal mask alone hides them and
-`main_sft.token_nll_sum` passes no attention mask: SDPA's causal kernel then skips the blocks above
-the diagonal (docs/performance.md, "SFT attention without a padding mask"). Cases, each in its own
-fresh process, alternated over `--reps` repetitions:
+Under a causal model the pads come after every real position, so the causal mask alone hides them:
+without the padding mask SDPA runs its causal kernel, which skips the blocks above the diagonal
+(docs/performance.md, "SFT attention without a padding mask": checked at 4 seeds, worse, not taken).
+Cases, each in its own fresh process, alternated over `--reps` repetitions:
 
-- `padding mask` (the baseline): the same `run_sft` with the padding mask passed to the model (the
-  step before the lever: `attention_mask_needed` returns the mask);
-- `causal only`: `run_sft` as it is;
-- `causal only, micro-batches of 8` (`--micro2`, optional): the same with twice the micro-batch.
+- `padding mask` (the baseline): `main_sft.run_sft` as it is;
+- `causal only`: the same with no attention mask given to the model;
+- `causal only, micro-batches of N` (`--micro2 N`, optional): the same with other micro-batches.
 
 Workload: `main_sft.run_sft` itself on the quickstart's data (`rl_datasets/sft_train.jsonl`), model
 (SmolLM2-135M-Instruct; `--quick`: the random tiny model), batch 16, micro-batches of 4, 640 tokens,
@@ -43,8 +42,9 @@ def child(spec_path: str) -> None:
     torch.set_num_threads(int(spec["threads"]))
     from verl_arpo.trainer import main_sft
 
-    if spec["mask"]:   # the step before the lever: the padding mask always goes to the model
-        main_sft.attention_mask_needed = lambda mask: mask
+    if not spec["mask"]:   # the lever: no attention mask for the right-padded micro-batches main_sft builds
+        with_mask = main_sft.token_nll_sum
+        main_sft.token_nll_sum = lambda model, batch: with_mask(model, {**batch, "attention_mask": None})
     overrides = [f"model.partial_pretrain={spec['model']}", f"data.train_files={spec['data']}",
                  f"trainer.default_local_dir={spec['out']}", "optim.lr=1e-4", "data.train_batch_size=16",
                  f"data.micro_batch_size_per_gpu={spec['micro']}", "data.max_length=640", "data.truncation=right",

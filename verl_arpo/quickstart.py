@@ -110,21 +110,22 @@ SMOKE = {"questions": 6, "response_length": 40, "sft_steps": 2, "sft_batch_size"
 """`--smoke`: every stage and entry point of the full run, each at a small per-step shape, so the whole
 pipeline runs in about 3 minutes (issue 47: the full run's per-step work with fewer steps took over 10).
 Per step: SFT on 1 conversation (16), RL on 3 prompts × 2 trajectories (6 × 4) of up to 40 tokens
-(288); the evaluations answer 6 questions with up to 40 tokens (150 or 600, 288). The RL stage runs its
+(288); the evaluations answer 6 questions with up to 40 tokens (60 or 600, 288). The RL stage runs its
 one worker in the driver's process (`trainer.single_process`, no Ray: ~25 s less start-up; the full run
 uses 2 Ray workers) and checkpoints once, at its last step. A plumbing check: its accuracies say
 nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool call is made and
 answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
-    ("fp32", False): {"eval base": 250, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
-    ("bf16", False): {"eval base": 79, "sft": 297, "eval sft": 158, "rl": 566, "merge": 5, "eval rl": 161},
+    ("fp32", False): {"eval base": 155, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
+    ("bf16", False): {"eval base": 40, "sft": 297, "eval sft": 158, "rl": 566, "merge": 5, "eval rl": 161},
     ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
     ("bf16", True): {"eval base": 13, "sft": 19, "eval sft": 15, "rl": 53, "merge": 8, "eval rl": 14},
 }
 """Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
 (precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The fp32
 rows: an AVX2 EPYC; the bf16 rows: an idle AMX Xeon (2026-12-06: the smoke with compiled bytecode, the full
-run with the tool launch that does not fork and threads that spin while they wait)."""
+run with the tool launch that does not fork and threads that spin while they wait; the base evaluation's
+60 questions measured alone, the fp32 row's scaled alike)."""
 
 
 def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:

@@ -35,8 +35,10 @@ def _members(model):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_stacked_product_is_each_projection_s_own(tiny_model_dir, tiny_tokenizer, dtype):
-    eng = HFEngine(tiny_model_dir, tiny_tokenizer, dtype=dtype)
-    assert eng.fused_groups == 2 * len(eng.model.model.layers)   # on by default on the CPU
+    eng = HFEngine(tiny_model_dir, tiny_tokenizer, dtype=dtype, fuse_projections=True)
+    assert eng.fused_groups == 2 * len(eng.model.model.layers)
+    default = HFEngine(tiny_model_dir, tiny_tokenizer, dtype=dtype).fused_groups
+    assert default == (eng.fused_groups if dtype == "bfloat16" else 0)   # by default on the CPU in bf16 only
     for members in _members(eng.model):
         group = members[0]._fused_group
         start = 0

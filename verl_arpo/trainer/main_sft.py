@@ -194,28 +194,13 @@ def token_nll_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     labels = batch["labels"][:, 1:]
     keep = (labels != -100).any(0).nonzero().squeeze(-1)  # positions t whose logits predict t + 1
     kwargs = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
-    logits = model(input_ids=batch["input_ids"], attention_mask=attention_mask_needed(batch["attention_mask"]),
-                   **kwargs).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs).logits
     if kwargs:
         labels = labels[:, keep]
     else:
         logits = logits[:, :-1]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=-100, reduction="sum")
-
-
-def attention_mask_needed(attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """The mask, or None where every row is right-padded (ones, then zeros), as `collate` builds them.
-
-    Under a causal model a real position t attends to positions ≤ t, all real when the padding comes
-    after the row, so the causal mask alone gives every real position the same attention and the same
-    positions (0, 1, ... either way); the pads' own outputs carry no loss. Without a padding mask SDPA runs
-    its causal kernel, which skips the blocks above the diagonal: an SFT step ~10% faster on a CPU
-    (docs/performance.md, "SFT attention without a padding mask"). The forward is the same bit for bit;
-    the backward rounds differently in bf16 (relative ~1e-3 on a gradient) and in fp32 (~1e-6)."""
-    m = attention_mask.bool()
-    right_padded = bool((m[:, 1:] <= m[:, :-1]).all()) and bool(m[:, 0].all())
-    return None if right_padded else attention_mask
 
 
 def _accepts_logits_to_keep(model) -> bool:

@@ -108,7 +108,7 @@ class HFEngine(EngineWeights, InferenceEngine):
             concatenates at every step as transformers' `DynamicLayer` does (for comparisons).
         share_prefix: encode the prefix that the fresh prompts of one call share once.
         fuse_projections: decode steps compute each layer's q/k/v and gate/up projections as one
-            matmul each (fused_projections.py); None = on when the engine owns its weights on a CPU.
+            matmul each (fused_projections.py); None = on when the engine owns bf16 weights on a CPU.
 
     A module shared with the trainer (no copy) changes under the engine at every optimizer step:
     call `release()` after each step (there is then no need for `update_weights`).
@@ -155,8 +155,9 @@ class HFEngine(EngineWeights, InferenceEngine):
         self.reuse_kv = bool(kv_cache)
         self.kv_room = max(0, int(kv_room))
         self.share_prefix = bool(share_prefix)
-        if fuse_projections is None:
-            fuse_projections = self._owns_weights and self.device.type == "cpu"
+        if fuse_projections is None:   # measured faster in bf16 on a CPU, not in fp32 (docs/performance.md)
+            fuse_projections = (self._owns_weights and self.device.type == "cpu"
+                                and next(self.model.parameters()).dtype == torch.bfloat16)
         if fuse_projections and not self._owns_weights:
             raise ValueError("HFEngine fuse_projections=True needs weights of its own: a module shared with the "
                              "trainer changes under the engine without update_weights")
