@@ -15,7 +15,8 @@ threads, bf16 and fp32) and not at prefill shapes of 200 rows and more in bf16. 
 How: a group's weights live in one buffer and each member's Parameter is a view of its rows (no extra
 memory), so the weight sync's in-place copies (`hf_weights.update_weights`) update the buffer too. A
 member whose Parameter got other storage (`discard_weights` then a refill) rebinds its group before the
-next decode step; `release` drops the buffers with the weights.
+next decode step; `release` drops the buffers with the weights. A group holds the step's product between
+its members' calls, so one model runs one forward at a time (the engine's loop does).
 """
 
 from __future__ import annotations
