@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from compare_algorithms import PROTOCOLS, Experiment, cpu_flags, templates_of, weights_sha256  # noqa: E402
+from compare_algorithms import PROTOCOLS, Experiment, cpu_flags, git_commit, templates_of, weights_sha256  # noqa: E402
 from comparison_report import _ci as ci  # noqa: E402
 from run_records import eval_record, write_atomic  # noqa: E402
 
@@ -47,23 +46,12 @@ SEEDS = (42, 43, 44, 45)
 """trainer.seed of the SFT runs: 42 is main_sft's default, the quickstart's."""
 
 
-def commit_of(code_dir: Path) -> str:
-    """The checkout's commit, with "+dirty" when tracked files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code_dir, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=code_dir,
-                           capture_output=True, text=True).stdout.strip()
-    return head.stdout.strip() + ("+dirty" if dirty else "") if head.returncode == 0 else "unknown"
-
-
 def train_and_evaluate(seed: int, code_dir: Path, out: Path, precision: str, sft_steps: int,
                        exp: Experiment) -> dict[str, Any]:
     """One seed's run: SFT with `code_dir`'s main_sft, then this checkout's evaluation; its record."""
-    from verl_arpo.utils.model_prep import default_model_dir
-
     sft_dir = out / "sft_model"
     env = {**exp.env, "PYTHONPATH": str(code_dir)}
-    cmd = [*sft_command(Path(default_model_dir()) if not exp.tiny else exp.base_model(), sft_dir, sft_steps,
-                        precision=precision), f"trainer.seed={seed}"]
+    cmd = [*sft_command(exp.base_model(), sft_dir, sft_steps, precision=precision), f"trainer.seed={seed}"]
     t0 = time.perf_counter()
     subprocess_cwd = os.getcwd()
     os.chdir(code_dir)   # `python -m verl_arpo...` takes the package from its working directory first
@@ -76,7 +64,7 @@ def train_and_evaluate(seed: int, code_dir: Path, out: Path, precision: str, sft
     t0 = time.perf_counter()
     report = out / "eval.json"
     exp.evaluate(sft_dir, report, out / "eval.log")
-    return {"seed": seed, "commit": commit_of(code_dir), "sft_sha256": weights_sha256(sft_dir), "precision": precision,
+    return {"seed": seed, "commit": git_commit(code_dir), "sft_sha256": weights_sha256(sft_dir), "precision": precision,
             "sft_steps": sft_steps, "wall_s": {"sft": round(sft_s, 1), "eval": round(time.perf_counter() - t0, 1)},
             "sft_step_s": float(np.median([h["seconds"] for h in meta["history"] if "loss" in h][1:] or [0.0])),
             "final_loss": [h["loss"] for h in meta["history"] if "loss" in h][-1],
@@ -183,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     for seed in a.seeds:
         if seed in held:
             continue
-        say(f"SFT lever check: {a.arm}, seed {seed}, the code of {a.code_dir.resolve()} ({commit_of(a.code_dir)})")
+        say(f"SFT lever check: {a.arm}, seed {seed}, the code of {a.code_dir.resolve()} ({git_commit(a.code_dir)})")
         run = train_and_evaluate(seed, a.code_dir.resolve(), a.out / a.arm / f"seed{seed}", precision,
                                  exp.sft_steps, exp)
         write_atomic(store / f"seed{seed}.json", run)

@@ -266,12 +266,13 @@ class Store:
 
 
 # --------------------------------------------------------------------------- the experiment
-def git_commit() -> str:
+def git_commit(checkout: Path = ROOT) -> str:
+    """The checkout's short commit, with "+dirty" when tracked files differ from it."""
     import subprocess
 
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout,
+                           capture_output=True, text=True).stdout.strip()
     return r.stdout.strip() + ("+dirty" if dirty else "") if r.returncode == 0 else "unknown"
 
 
