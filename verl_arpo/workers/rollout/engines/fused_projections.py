@@ -39,6 +39,7 @@ class _Group:
         self._input: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._pending = 0
+        self._ptrs: list[int] = []   # each member's weight address when bound
 
     def bind(self) -> None:
         """Stack the members' current weights into one buffer and make each member's weight a view of it."""
@@ -53,17 +54,12 @@ class _Group:
                 m.bias.data = self.bias[start:start + rows]
             m._fused_rows = (start, start + rows)
             start += rows
+        self._ptrs = [m.weight.data_ptr() for m in self.members]
         self._input = self._out = None
 
     def bound(self) -> bool:
         """Whether every member's weight is still the view bind() made (a refill gives it new storage)."""
-        if self.weight is None:
-            return False
-        for m in self.members:
-            start, _ = m._fused_rows
-            if m.weight.data_ptr() != self.weight[start].data_ptr():
-                return False
-        return True
+        return self.weight is not None and [m.weight.data_ptr() for m in self.members] == self._ptrs
 
     def release(self) -> None:
         self.weight = self.bias = self._input = self._out = None
