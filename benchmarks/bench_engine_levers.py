@@ -9,13 +9,16 @@ a fresh subprocess:
 1. sdpa attention, every prompt prefilled in full (baseline);
 2. grouped decode attention (`decode_attention.py`), full prefill;
 3. grouped decode attention + the shared prefix encoded once, the cache grown by concatenation;
-4. as 3, with the decode cache appending into room set aside in advance (`kv_room.py`): the engine now.
+4. as 3, with the decode cache appending into room set aside in advance (`kv_room.py`): the engine now
+   in fp32;
+5. as 4, with each layer's q/k/v and gate/up projections one matmul in a decode step
+   (`fused_projections.py`): the engine now in bf16 on a CPU.
 
 Reports wall seconds of `generate` (the median over `--reps` alternated runs), generated tokens/s,
 prefilled tokens, peak RSS of the process,
 the ratio to the first case run in the same run, how many rows produced exactly its tokens
 (rounding differs between attention kernels, so a few greedy rows may take another token), and how
-many rows equal the previous case's in tokens and in every log-prob bit (cases 3 and 4 do the same
+many rows equal the previous case's in tokens and in every log-prob bit (cases 3, 4 and 5 do the same
 arithmetic, so all should).
 
     python benchmarks/bench_engine_levers.py [--model DIR] [--quick] [--cases 1,3]
@@ -32,11 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CASES = [  # (label, attention, share_prefix, kv_room)
-    ("sdpa, full prefill (before)", "sdpa", False, 0),
-    ("grouped decode attention, full prefill", None, False, 0),
-    ("grouped decode attention + shared prefix", None, True, 0),
-    ("grouped decode attention + shared prefix + decode cache room (now)", None, True, None),
+CASES = [  # (label, attention, share_prefix, kv_room, fuse_projections)
+    ("sdpa, full prefill (before)", "sdpa", False, 0, False),
+    ("grouped decode attention, full prefill", None, False, 0, False),
+    ("grouped decode attention + shared prefix", None, True, 0, False),
+    ("grouped decode attention + shared prefix + decode cache room (now in fp32)", None, True, None, False),
+    ("as 4 + fused q/k/v and gate/up in decode steps (now in bf16)", None, True, None, True),
 ]
 
 
@@ -55,6 +59,7 @@ def child(spec: dict) -> dict:
                    add_special_tokens=False)["input_ids"] for r in spec["rows"]]
     eng = HFEngine(spec["model"], tok, dtype=spec["dtype"], attn_implementation=spec["attention"],
                    max_batch_size=len(prompts), share_prefix=spec["share_prefix"],
+                   fuse_projections=spec["fuse_projections"],
                    **({} if spec["kv_room"] is None else {"kv_room": spec["kv_room"]}))
     reqs = [GenRequest(str(i), p, int(spec["new_tokens"]), [], SamplingParams(greedy=True))
             for i, p in enumerate(prompts)]
@@ -85,7 +90,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="16 prompts, 24 tokens")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="auto: bfloat16 where the CPU has native bf16, else float32")
-    p.add_argument("--cases", default="1,2,3,4", help="which cases (1-4), the first is the baseline")
+    p.add_argument("--cases", default="1,2,3,4,5", help="which cases (1-5), the first is the baseline")
     p.add_argument("--reps", type=int, default=1,
                    help="run the cases this many times, alternating (1,2,..,1,2,..); the table gives medians")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_levers.json"))
@@ -106,10 +111,10 @@ def main(argv=None) -> None:
     runs: dict[int, list[dict]] = {k: [] for k in cases}
     for _ in range(max(1, a.reps)):   # alternated, so that a drift in the machine's load hits every case
         for k in cases:
-            label, attention, share, room = CASES[k - 1]
+            label, attention, share, room, fuse = CASES[k - 1]
             runs[k].append(run_case(__file__, dict(model=model, rows=rows, new_tokens=a.new_tokens,
                                                    threads=a.threads, attention=attention, share_prefix=share,
-                                                   kv_room=room, dtype=a.dtype)))
+                                                   kv_room=room, fuse_projections=fuse, dtype=a.dtype)))
     results = []
     for k in cases:
         walls = [r["wall_s"] for r in runs[k]]

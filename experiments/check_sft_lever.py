@@ -53,12 +53,8 @@ def train_and_evaluate(seed: int, code_dir: Path, out: Path, precision: str, sft
     env = {**exp.env, "PYTHONPATH": str(code_dir)}
     cmd = [*sft_command(exp.base_model(), sft_dir, sft_steps, precision=precision), f"trainer.seed={seed}"]
     t0 = time.perf_counter()
-    subprocess_cwd = os.getcwd()
-    os.chdir(code_dir)   # `python -m verl_arpo...` takes the package from its working directory first
-    try:
-        run_logged(cmd, out / "sft.log", env)
-    finally:
-        os.chdir(subprocess_cwd)
+    # in code_dir: `python -m verl_arpo...` takes the package from its working directory first
+    run_logged(cmd, out / "sft.log", env, cwd=code_dir)
     sft_s = time.perf_counter() - t0
     meta = json.loads((sft_dir / "sft_meta.json").read_text())
     t0 = time.perf_counter()

@@ -48,10 +48,11 @@ def say(message: str) -> None:
     print(f"[quickstart] {time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
-def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool = False) -> None:
-    """Run one stage's command with its output in `log`; a failure exits with the log's tail. Its CPU
-    threads spin briefly while they wait if the machine is idle as it starts, else sleep
-    (utils/threads.py: docs/performance.md, "Threads on a busy machine")."""
+def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool = False,
+               cwd: Path | None = None) -> None:
+    """Run one stage's command (in `cwd`, default this process's) with its output in `log`; a failure
+    exits with the log's tail. Its CPU threads spin briefly while they wait if the machine is idle as it
+    starts, else sleep (utils/threads.py: docs/performance.md, "Threads on a busy machine")."""
     log.parent.mkdir(parents=True, exist_ok=True)
     wait = cpu_thread_env(env)
     how = ("; CPU threads spin while they wait: the machine is idle" if "GOMP_SPINCOUNT" in wait else
@@ -62,7 +63,7 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool 
     with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=cwd)
     say(f"{log.stem}: {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s")
     if rc != 0:
         tail = "".join(open(log).readlines()[-40:])
@@ -116,16 +117,16 @@ uses 2 Ray workers) and checkpoints once, at its last step. A plumbing check: it
 nothing. The RL algorithm keeps its switches (ARPO branches from 1 to 2), a tool call is made and
 answered, and the second RL step generates with the weights the first one synced."""
 EXPECTED_SECONDS = {
-    ("fp32", False): {"eval base": 155, "sft": 960, "eval sft": 560, "rl": 1170, "merge": 15, "eval rl": 560},
+    ("fp32", False): {"eval base": 78, "sft": 976, "eval sft": 550, "rl": 1248, "merge": 8, "eval rl": 604},
     ("bf16", False): {"eval base": 40, "sft": 297, "eval sft": 158, "rl": 566, "merge": 5, "eval rl": 161},
     ("fp32", True): {"eval base": 21, "sft": 20, "eval sft": 20, "rl": 75, "merge": 9, "eval rl": 22},
     ("bf16", True): {"eval base": 13, "sft": 19, "eval sft": 15, "rl": 53, "merge": 8, "eval rl": 14},
 }
 """Seconds each stage took on 2-core machines (docs/performance.md, "Where the quickstart's time goes"), by
 (precision, --smoke): the time-left estimate scales them by this machine's pace (`time_left`). The fp32
-rows: an AVX2 EPYC; the bf16 rows: an idle AMX Xeon (2026-12-06: the smoke with compiled bytecode, the full
-run with the tool launch that does not fork and threads that spin while they wait; the base evaluation's
-60 questions measured alone, the fp32 row's scaled alike)."""
+rows: an AVX2 EPYC (the full run idle from a fresh clone, 2026-12-07); the bf16 rows: an idle AMX Xeon
+(2026-12-06: the smoke with compiled bytecode, the full run with the tool launch that does not fork and
+threads that spin while they wait; the base evaluation's 60 questions measured alone)."""
 
 
 def time_left(expected: dict[str, float], done: dict[str, float], todo: list[str]) -> float:
