@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT / "experiments"))   # comparison_report.py beside th
 
 from verl_arpo.quickstart import (  # noqa: E402  (after the path set-up: runs as a script)
     ALGO_OVERRIDES,
+    KEEP_FREED_MEMORY_ENV,
     STAGE_ENV,
     TEST_DATA,
     PRECISIONS,
@@ -305,7 +306,8 @@ class Experiment:
             yml = self.out / f"tools_{self.protocol.store}.yaml"
             yml.write_text(yaml.safe_dump(tools))
             args += ["--tools", str(yml)]
-        run_logged(eval_command(model_dir, args, out, self.protocol.eval_data), log, self.env)
+        run_logged(eval_command(model_dir, args, out, self.protocol.eval_data), log,
+                   {**self.env, **KEEP_FREED_MEMORY_ENV})
 
     def base_model(self) -> Path:
         if self.tiny:
