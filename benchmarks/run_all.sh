@@ -110,6 +110,9 @@ run update_ranks benchmarks/bench_update_ranks.py $(q --quick)
 # 16. the SFT step without the padding mask (right padding: the causal mask alone) against the step with it
 run sft_step benchmarks/bench_sft_step.py $(q --quick)
 
+# 17. bf16 against fp32 on this CPU: the quickstart's SFT steps and evaluation in both (checks --precision auto)
+run precision benchmarks/bench_precision.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

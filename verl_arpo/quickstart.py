@@ -77,12 +77,14 @@ STAGE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", 
 
 KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
                          "MALLOC_TOP_PAD_": str(512 << 20)}
-"""What an evaluation stage adds to STAGE_ENV: glibc's malloc serves every block from its heap and keeps
-what is freed, instead of mapping each large block (the decode cache's buffers, a prefill's activations)
-fresh from the kernel and returning it when freed, which faults in and zeroes every page again (~7M minor
-faults a call of 150 questions in fp32). Same arithmetic, same answers; 1.075x on an fp32 evaluation,
-+0.3-1.0 GB peak RSS (docs/performance.md, "Freed memory kept by malloc in the evaluation"). Other
-C libraries ignore these variables."""
+"""What the evaluation and SFT stages add to STAGE_ENV: glibc's malloc serves every block from its heap and
+keeps what is freed, instead of mapping each large block (the decode cache's buffers, a prefill's or a
+micro-batch's activations) fresh from the kernel and returning it when freed, which faults in and zeroes
+every page again (~7M minor faults a call of 150 questions in fp32, ~5M in 5 bf16 SFT steps). Same
+arithmetic, same answers and losses; 1.075x on an fp32 evaluation, +0.3-1.0 GB peak RSS; 1.15x on a bf16
+SFT step, +0.4-0.6 GB (docs/performance.md, "Freed memory kept by malloc in the evaluation"). Not the RL
+workers: they map activations on purpose to bound their peak (configs/quickstart.yaml). Other C
+libraries ignore these variables."""
 
 # The three algorithms are switches on one trainer (docs/algorithms.md): configs/quickstart.yaml is
 # ARPO; GRPO samples n independent trajectories; AEPO adds its rollout and loss switches to ARPO's.
@@ -446,7 +448,7 @@ class Quickstart:
             self.stale = True
         t0 = self.stage("sft")
         if not self.done(sft_dir / "config.json"):
-            train_sft(base, sft_dir, record, self.logs / "sft.log", self.env)
+            train_sft(base, sft_dir, record, self.logs / "sft.log", {**self.env, **KEEP_FREED_MEMORY_ENV})
             self.ran("sft", time.perf_counter() - t0)
         self.wall["sft"] = self.times.get("sft", 0.0)
         self.bar.advance(self.task)

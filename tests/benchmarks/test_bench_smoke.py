@@ -145,6 +145,7 @@ SMOKES = {
     "eval_workers": ["bench_eval_workers.py", "--quick"],
     "update_ranks": ["bench_update_ranks.py", "--quick"],
     "sft_step": ["bench_sft_step.py", "--quick"],
+    "precision": ["bench_precision.py", "--quick"],
 }
 
 

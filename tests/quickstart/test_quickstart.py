@@ -238,3 +238,32 @@ def test_the_quickstart_evaluates_with_freed_memory_kept(tmp_path, monkeypatch):
             run.evaluate("sft", tmp_path / "model")
     assert "verl_arpo.trainer.main_eval" in seen["cmd"]
     assert seen["env"] == {**qs.STAGE_ENV, **qs.KEEP_FREED_MEMORY_ENV}
+
+
+def test_the_quickstart_trains_sft_with_freed_memory_kept(tmp_path, monkeypatch):
+    """Quickstart.sft runs main_sft with STAGE_ENV and KEEP_FREED_MEMORY_ENV (1.15x a bf16 step, the same
+    losses: docs/performance.md); the RL stage keeps glibc's mapping of large blocks."""
+    from rich.progress import Progress
+
+    import verl_arpo.quickstart as qs
+
+    seen = []
+
+    class Ran(Exception):
+        pass
+
+    def record(cmd, log, env=None, append=False, cwd=None):
+        seen.append((cmd, env))
+        raise Ran
+
+    monkeypatch.setattr(qs, "run_logged", record)
+    with Progress() as bar:
+        run = qs.Quickstart(qs.parse_args(["--tiny", "--smoke", "--out", str(tmp_path / "qs")]), bar,
+                            bar.add_task("sft", total=1))
+        with pytest.raises(Ran):
+            run.sft(tmp_path / "base")
+        with pytest.raises(Ran):
+            run.rl(tmp_path / "sft_model")
+    (sft_cmd, sft_env), (rl_cmd, rl_env) = seen
+    assert "verl_arpo.trainer.main_sft" in sft_cmd and sft_env == {**qs.STAGE_ENV, **qs.KEEP_FREED_MEMORY_ENV}
+    assert "verl_arpo.trainer.main_ppo" in rl_cmd and rl_env == qs.STAGE_ENV
