@@ -215,55 +215,48 @@ def test_an_evaluation_keeps_the_memory_it_frees_instead_of_faulting_it_in_again
     assert pages * 0.9 <= keep <= 1.5 * pages, keep  # the first block's pages, then reused
 
 
-def test_the_quickstart_evaluates_with_freed_memory_kept(tmp_path, monkeypatch):
-    """Quickstart.evaluate runs main_eval with STAGE_ENV and KEEP_FREED_MEMORY_ENV."""
-    from rich.progress import Progress
-
-    import verl_arpo.quickstart as qs
-
-    seen = {}
-
-    class Ran(Exception):
-        pass
-
-    def record(cmd, log, env=None, append=False, cwd=None):
-        seen.update(cmd=cmd, env=env)
-        raise Ran
-
-    monkeypatch.setattr(qs, "run_logged", record)
-    with Progress() as bar:
-        run = qs.Quickstart(qs.parse_args(["--tiny", "--smoke", "--out", str(tmp_path / "qs")]), bar,
-                            bar.add_task("eval", total=1))
-        with pytest.raises(Ran):
-            run.evaluate("sft", tmp_path / "model")
-    assert "verl_arpo.trainer.main_eval" in seen["cmd"]
-    assert seen["env"] == {**qs.STAGE_ENV, **qs.KEEP_FREED_MEMORY_ENV}
+class _StageRan(Exception):
+    pass
 
 
-def test_the_quickstart_trains_sft_with_freed_memory_kept(tmp_path, monkeypatch):
-    """Quickstart.sft runs main_sft with STAGE_ENV and KEEP_FREED_MEMORY_ENV (1.15x a bf16 step, the same
-    losses: docs/performance.md); the RL stage keeps glibc's mapping of large blocks."""
+def _stage_commands(tmp_path, monkeypatch, *stages) -> list[tuple[list[str], dict]]:
+    """(command, environment) of each stage call (a Quickstart method and its argument), as run_logged
+    receives them; each call stops at run_logged."""
     from rich.progress import Progress
 
     import verl_arpo.quickstart as qs
 
     seen = []
 
-    class Ran(Exception):
-        pass
-
     def record(cmd, log, env=None, append=False, cwd=None):
         seen.append((cmd, env))
-        raise Ran
+        raise _StageRan
 
     monkeypatch.setattr(qs, "run_logged", record)
     with Progress() as bar:
         run = qs.Quickstart(qs.parse_args(["--tiny", "--smoke", "--out", str(tmp_path / "qs")]), bar,
-                            bar.add_task("sft", total=1))
-        with pytest.raises(Ran):
-            run.sft(tmp_path / "base")
-        with pytest.raises(Ran):
-            run.rl(tmp_path / "sft_model")
-    (sft_cmd, sft_env), (rl_cmd, rl_env) = seen
+                            bar.add_task("stages", total=len(stages)))
+        for method, *args in stages:
+            with pytest.raises(_StageRan):
+                getattr(run, method)(*args)
+    return seen
+
+
+def test_the_quickstart_evaluates_with_freed_memory_kept(tmp_path, monkeypatch):
+    """Quickstart.evaluate runs main_eval with STAGE_ENV and KEEP_FREED_MEMORY_ENV."""
+    import verl_arpo.quickstart as qs
+
+    [(cmd, env)] = _stage_commands(tmp_path, monkeypatch, ("evaluate", "sft", tmp_path / "model"))
+    assert "verl_arpo.trainer.main_eval" in cmd
+    assert env == {**qs.STAGE_ENV, **qs.KEEP_FREED_MEMORY_ENV}
+
+
+def test_the_quickstart_trains_sft_with_freed_memory_kept(tmp_path, monkeypatch):
+    """Quickstart.sft runs main_sft with STAGE_ENV and KEEP_FREED_MEMORY_ENV (1.15x a bf16 step, the same
+    losses: docs/performance.md); the RL stage keeps glibc's mapping of large blocks."""
+    import verl_arpo.quickstart as qs
+
+    (sft_cmd, sft_env), (rl_cmd, rl_env) = _stage_commands(tmp_path, monkeypatch, ("sft", tmp_path / "base"),
+                                                           ("rl", tmp_path / "sft_model"))
     assert "verl_arpo.trainer.main_sft" in sft_cmd and sft_env == {**qs.STAGE_ENV, **qs.KEEP_FREED_MEMORY_ENV}
     assert "verl_arpo.trainer.main_ppo" in rl_cmd and rl_env == qs.STAGE_ENV
