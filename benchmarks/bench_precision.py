@@ -13,8 +13,7 @@ in odd ones), with the environment the quickstart gives that stage (`STAGE_ENV`,
   tokens, 150 rows a generation call: `generation_seconds` of the report (model loading excluded) and
   the response tokens (generated and tool results, `response_tokens` of each answer). The two precisions
   decode different tokens (greedy decoding flips on thin margins), so tokens/s is compared, and each
-  answer's length is recorded. Speed only: no choice is
-  made on these answers' accuracy.
+  answer's length is recorded. Speed only: no choice is made on these answers' accuracy.
 
 Ratio = the speed of the precision `auto` picks here / the other's (> 1: `auto` picked the faster one).
 The peak RSS of each stage's largest process is reported too. On a CPU without native bf16 the bf16 arm is
@@ -47,9 +46,9 @@ from verl_arpo.utils.threads import cpu_thread_env  # noqa: E402
 PRECISIONS = ("fp32", "bf16")
 
 
-def stage_env(stage: str) -> dict[str, str]:
-    """What the quickstart's run_logged gives the stage: STAGE_ENV and the malloc settings both stages
-    run with, then how CPU threads wait, chosen from the load as the process starts."""
+def stage_env() -> dict[str, str]:
+    """What the quickstart's run_logged gives its SFT and evaluation stages: STAGE_ENV and the malloc
+    settings both run with, then how CPU threads wait, chosen from the load as the process starts."""
     env = {**STAGE_ENV, **KEEP_FREED_MEMORY_ENV}
     return {**env, **cpu_thread_env(env)}
 
@@ -59,14 +58,14 @@ def run_stage(cmd: list[str], log: Path, stage: str) -> dict:
     process (the kernel's maxrss of the child and its waited-for descendants, as `time -v` reports:
     a process-tree sampler double-counts the evaluation's tool launches, which share its memory for a
     moment)."""
-    env = {**os.environ, **stage_env(stage), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **stage_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
         _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{stage} failed (exit {proc.returncode}):\n{tail(log)}")
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        raise RuntimeError(f"{stage} failed (exit {rc}):\n{tail(log)}")
     return {"wall_s": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
