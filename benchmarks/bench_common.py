@@ -71,7 +71,10 @@ def cpu_flags() -> list[str]:
 
 
 def machine_info() -> dict[str, Any]:
+    from verl_arpo.utils.cpu_blas import MKL_BRANCH_VAR, mkl_branch_env
+
     return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "load_avg": list(os.getloadavg()),
+            "mkl_cbwr": mkl_branch_env().get(MKL_BRANCH_VAR),   # MKL's code path the runs got (utils/cpu_blas.py)
             "kernel": platform.release(), "versions": versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -414,11 +417,11 @@ def run_ours_many(specs: list[dict], tmp: Path, tag: str, timeout: float = 1800)
     d.mkdir(parents=True, exist_ok=True)
     specs = [dict(s, out_dir=str(d / f"run{i}")) for i, s in enumerate(specs)]
     (d / "spec.json").write_text(json.dumps(specs))
-    from verl_arpo.utils.threads import cpu_thread_env
+    from verl_arpo.utils.threads import cpu_process_env
 
     # the environment `python -m verl_arpo.trainer.main_ppo` gives its own process (main_ppo.main)
     res = run_child([PY, str(Path(__file__)), "ours", str(d / "spec.json"), str(d / "out.json")], timeout,
-                    log=d / "log.txt", env=cpu_thread_env())
+                    log=d / "log.txt", env=cpu_process_env())
     if res["rc"] != 0 or not (d / "out.json").exists():
         raise RuntimeError(f"our trainer run {tag} failed (rc={res['rc']}):\n{tail(d / 'log.txt')}")
     out = json.loads((d / "out.json").read_text())

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import (PY, RESULTS, grpo_spec, machine_info, median, print_table, rates, run_child,  # noqa: E402
                           run_ours, summary_entry, tail, tmpdir, write_json)
+from verl_arpo.utils.cpu_blas import MKL_BRANCH_VAR, mkl_branch_env  # noqa: E402
 
 GOAL = 2.0   # issue 47: >= 2x the trained tokens/s at equal cores, with peak PSS no more than TRL's
 PSS_GOAL = 1.0   # TRL's peak PSS / ours
@@ -133,13 +134,17 @@ def _child_trl(spec_path: str, out_path: str, profiler=None) -> None:
                                           "prompt_tokens_raw": stats["prompt_tokens"]}))
 
 
-def run_trl(spec: dict, tmp: Path, tag: str, timeout: float = 900) -> dict:
+def run_trl(spec: dict, tmp: Path, tag: str, timeout: float = 900, mkl: str = "same") -> dict:
+    """One TRL run in its own subprocess. `mkl`: "same" = the MKL code path our processes get
+    (utils/cpu_blas.py: a setting of the machine, not of a trainer), "own" = MKL's own pick (an empty
+    MKL_CBWR), else the MKL_CBWR value to run with."""
     d = tmp / f"trl_{tag}"
     d.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, out_dir=str(d / "run"))
     (d / "spec.json").write_text(json.dumps(spec))
+    env = mkl_branch_env() if mkl == "same" else {MKL_BRANCH_VAR: "" if mkl == "own" else mkl}
     res = run_child([PY, str(Path(__file__)), "--_child", "trl", str(d / "spec.json"), str(d / "out.json")],
-                    timeout, log=d / "log.txt")
+                    timeout, log=d / "log.txt", env=env)
     if res["rc"] != 0 or not (d / "out.json").exists():
         raise RuntimeError(f"TRL run {tag} failed (rc={res['rc']}):\n{tail(d / 'log.txt')}")
     return {**json.loads((d / "out.json").read_text()), **res}
@@ -172,6 +177,9 @@ def main(argv=None):
     p.add_argument("--trl_threads", default=f"{os.cpu_count() or 1},1",
                    help="TRL variants by torch threads (0 = torch default); the one with as many threads as "
                         "cores (the cores ours uses) is the baseline")
+    p.add_argument("--trl_mkl", default="same",
+                   help="MKL code paths TRL runs with, comma-separated: same (the one ours gets, utils/cpu_blas.py) "
+                        "own (MKL's own pick: an empty MKL_CBWR) or another MKL_CBWR value; the baseline is the fastest")
     p.add_argument("--quick", action="store_true", help="2 repetitions of 3 steps")
     p.add_argument("--smoke", action="store_true", help="1 repetition, 2 steps, 32 tokens (tests)")
     p.add_argument("--out", default=str(RESULTS / "trainer_vs_trl.json"))
@@ -199,7 +207,9 @@ def main(argv=None):
                 f"driver's process); not {bad}")
     ok, why = trl_status()
     variants = [int(x) for x in a.trl_threads.split(",")]   # TRL torch threads; 0 = torch's default
-    sides = [f"ours_w{w}" for w in ours_variants] + [f"trl{v}" for v in variants]
+    mkls = [m.strip() for m in a.trl_mkl.split(",")]
+    trl_sides = {(f"trl{v}" if m == "same" else f"trl{v}_mkl{m}"): (v, m) for v in variants for m in mkls}
+    sides = [f"ours_w{w}" for w in ours_variants] + list(trl_sides)
     runs: dict[str, list] = {s: [] for s in sides}
     errors = []
     for rep in range(a.reps):
@@ -210,7 +220,8 @@ def main(argv=None):
                                            tmp, f"{side}_r{rep}"))
             elif ok:
                 try:
-                    runs[side].append(run_trl(dict(spec, trl_threads=int(side[3:])), tmp, f"{side}_r{rep}"))
+                    threads, mkl = trl_sides[side]
+                    runs[side].append(run_trl(dict(spec, trl_threads=threads), tmp, f"{side}_r{rep}", mkl=mkl))
                 except RuntimeError as e:  # say so, don't fake it
                     errors.append(str(e)[-1500:])
                     ok, why = False, "TRL run failed: " + str(e).strip().splitlines()[-1][:300]
@@ -237,10 +248,10 @@ def main(argv=None):
     o = agg(runs[main_side])
     others = {s: agg(runs[s]) for s in sides[1:len(ours_variants)]}
     trl = {s: agg(runs[s]) for s in sides[len(ours_variants):] if runs[s]}
-    # the baseline runs on as many cores as ours (its workers split the machine's cores); without
-    # that variant, the fastest TRL configuration measured
-    equal = f"trl{os.cpu_count() or 1}"
-    best = equal if equal in trl else (max(trl, key=lambda s: trl[s]["train_tok_per_s"]) if trl else None)
+    # the baseline runs on as many cores as ours (its workers split the machine's cores): the fastest of
+    # those variants (MKL's code paths); without one, the fastest TRL configuration measured
+    equal = [s for s in trl if trl_sides[s][0] == (os.cpu_count() or 1)] or list(trl)
+    best = max(equal, key=lambda s: trl[s]["train_tok_per_s"]) if equal else None
     t = trl[best] if best else None
     drop = ("per_run",)
     def ours_label(side):
@@ -257,7 +268,10 @@ def main(argv=None):
     for s, v in trl.items():
         threads = runs[s][0].get("torch_threads")
         label = f"TRL GRPOTrainer (1 proc x {threads} thread{'s' if threads != 1 else ''}" + \
-            (", torch default" if s == "trl0" else "") + (") <- baseline" if s == best else ")")
+            (", torch default" if trl_sides[s][0] == 0 else "") + \
+            (", MKL's own pick" if trl_sides[s][1] == "own" else
+             f", MKL_CBWR={trl_sides[s][1]}" if trl_sides[s][1] != "same" else "") + \
+            (") <- baseline" if s == best else ")")
         table.append({"trainer": label, **{k: x for k, x in v.items() if k not in drop}})
     if t:
         table.append({"trainer": "ratio ours/baseline (mem, time: baseline/ours)",

@@ -113,6 +113,9 @@ run sft_step benchmarks/bench_sft_step.py $(q --quick)
 # 17. bf16 against fp32 on this CPU: the quickstart's SFT steps and evaluation in both (checks --precision auto)
 run precision benchmarks/bench_precision.py $(q --quick)
 
+# 18. MKL's AVX2 code path against MKL's own pick, fp32: the quickstart's SFT steps and evaluation (checks utils/cpu_blas.py)
+run mkl_branch benchmarks/bench_mkl_branch.py $(q --quick)
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

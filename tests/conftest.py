@@ -8,6 +8,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# MKL's code path for fp32 products as every process verl_arpo starts gets it (utils/cpu_blas.py), set
+# before this process computes anything: a reference computed in the test's own process then rounds as
+# the workers and stages it starts do.
+from verl_arpo.utils.cpu_blas import mkl_branch_env  # noqa: E402
+
+os.environ.update(mkl_branch_env())
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

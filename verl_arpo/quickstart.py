@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from verl_arpo.utils.cpu_blas import mkl_branch_env
 from verl_arpo.utils.resources import bundled_root, config_dir
 from verl_arpo.utils.stats import paired_gain
 from verl_arpo.utils.threads import cpu_thread_env
@@ -52,14 +53,16 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None, append: bool 
                cwd: Path | None = None) -> None:
     """Run one stage's command (in `cwd`, default this process's) with its output in `log`; a failure
     exits with the log's tail. Its CPU threads spin briefly while they wait if the machine is idle as it
-    starts, else sleep (utils/threads.py: docs/performance.md, "Threads on a busy machine")."""
+    starts, else sleep (utils/threads.py: docs/performance.md, "Threads on a busy machine"); on a CPU that
+    is not Intel's, MKL runs its AVX2 code path (utils/cpu_blas.py)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    wait = cpu_thread_env(env)
+    wait, blas = cpu_thread_env(env), mkl_branch_env(env)
     how = ("; CPU threads spin while they wait: the machine is idle" if "GOMP_SPINCOUNT" in wait else
            "; CPU threads sleep while they wait: the machine is busy (or its load unknown)" if wait else "")
+    how += "".join(f"; {k}={v}" for k, v in blas.items())
     say(f"{log.stem}: started (log: {log}){how}")
     t0 = time.perf_counter()
-    env = {**(env or {}), **wait}
+    env = {**(env or {}), **blas, **wait}
     with open(log, "a" if append else "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()

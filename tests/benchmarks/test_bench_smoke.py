@@ -146,6 +146,7 @@ SMOKES = {
     "update_ranks": ["bench_update_ranks.py", "--quick"],
     "sft_step": ["bench_sft_step.py", "--quick"],
     "precision": ["bench_precision.py", "--quick"],
+    "mkl_branch": ["bench_mkl_branch.py", "--quick"],
 }
 
 

@@ -45,6 +45,13 @@ def test_environment_and_node_info(group):
     expected = (chosen if any(chosen.values()) and not ours
                 else {**chosen, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"})
     assert group.env(list(CPU_WAIT_VARS)) == [expected] * 2
+    # MKL's AVX2 code path on an x86 CPU that is not Intel's (utils/cpu_blas.py), unless the user chose one
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    vendor = next((line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), None)
+    flags = next((set(line.split(":")[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    branch = os.environ.get("MKL_CBWR") or (
+        "AVX2" if vendor not in (None, "GenuineIntel") and {"avx2", "fma"} <= flags else None)
+    assert group.env(["MKL_CBWR"]) == [{"MKL_CBWR": branch}] * 2
     assert group.execute_all("get_node_info")[1]["pid"] == infos[1]["pid"]
     assert group.execute_rank_zero("get_node_info")["pid"] == infos[0]["pid"]
 

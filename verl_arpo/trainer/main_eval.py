@@ -479,9 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from verl_arpo.utils.threads import cpu_thread_env
+    from verl_arpo.utils.threads import cpu_process_env
 
-    os.environ.update(cpu_thread_env())   # before torch loads: threads that sleep while they wait
+    # before torch loads: how threads wait, MKL's code path (utils/threads.py)
+    os.environ.update(cpu_process_env())
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # what --workers starts its workers with
     if args.k < 1:

@@ -189,10 +189,10 @@ def main() -> None:
     """The command line (`python -m verl_arpo.trainer.main_ppo`, `verl-arpo-train`): Hydra, with every
     printing form masked and unknown keys named before anything starts (trainer/config_cli.py)."""
     from verl_arpo.trainer import config_cli
-    from verl_arpo.utils.threads import cpu_thread_env
+    from verl_arpo.utils.threads import cpu_process_env
 
     # before torch loads (libgomp reads it then): this process computes with trainer.single_process
-    os.environ.update(cpu_thread_env())
+    os.environ.update(cpu_process_env())
     argv = sys.argv[1:]
     cli = config_cli.parse_cli(argv, CONFIG_DIR)
     try:

@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":
-    # before torch loads (libgomp reads it then): how this process's CPU threads wait (utils/threads.py)
-    from verl_arpo.utils.threads import cpu_thread_env
+    # before torch loads (libgomp reads it then): how this process's CPU threads wait, and MKL's code
+    # path for its fp32 products (utils/threads.py)
+    from verl_arpo.utils.threads import cpu_process_env
 
-    os.environ.update(cpu_thread_env())
+    os.environ.update(cpu_process_env())
 
 import torch
 import torch.distributed as dist

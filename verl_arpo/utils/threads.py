@@ -17,8 +17,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from verl_arpo.utils.cpu_blas import mkl_branch_env
+
 __all__ = ["CPU_WAIT_VARS", "CHOSEN_BY_US", "IDLE_BELOW_CORES", "SPIN_WHEN_IDLE", "busy_cores",
-           "cpu_thread_env", "cpu_times", "wait_env"]
+           "cpu_process_env", "cpu_thread_env", "cpu_times", "wait_env"]
 
 CPU_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
@@ -101,3 +103,9 @@ def cpu_thread_env(user_env: Mapping[str, str] | None = None, alone: bool = True
     if ours:
         return {}
     return wait_env(busy_cores())
+
+
+def cpu_process_env(user_env: Mapping[str, str] | None = None, alone: bool = True) -> dict[str, str]:
+    """The environment a process that computes on the CPU starts with: how its threads wait
+    (`cpu_thread_env`) and MKL's code path for its fp32 products (cpu_blas.py)."""
+    return {**mkl_branch_env(user_env), **cpu_thread_env(user_env, alone)}

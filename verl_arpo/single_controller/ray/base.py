@@ -58,7 +58,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from verl_arpo.single_controller.base import GROUP_HOSTS_ENV, Worker, find_master_addr_port
 from verl_arpo.single_controller.decorator import CallPlan, MethodSpec, bind_group_methods, plan_call
 from verl_arpo.single_controller.ray.resource_pool import RayResourcePool
-from verl_arpo.utils.threads import cpu_thread_env
+from verl_arpo.utils.threads import cpu_process_env
 
 __all__ = ["PendingCall", "RayClassWithInitArgs", "RayWorkerGroup", "WorkerGroupError", "WorkerGroupTimeoutError"]
 
@@ -189,8 +189,8 @@ class RayWorkerGroup:
         env_vars.update(self._env_vars)
         env_vars.update(env)
         # threads that sleep while they wait (a worker's siblings share its cores), unless a wait
-        # policy is set above or by the user in this environment (theirs wins)
-        runtime_env["env_vars"] = {**cpu_thread_env(env_vars, alone=False), **env_vars}
+        # policy is set above or by the user in this environment (theirs wins); MKL's code path
+        runtime_env["env_vars"] = {**cpu_process_env(env_vars, alone=False), **env_vars}
         options.update(
             name=f"{self.name_prefix}:{rank}",
             num_cpus=self.num_cpus_per_worker,
