@@ -9,8 +9,8 @@ to run instead. `AVX2` runs the AVX2 kernels, which every x86 CPU with AVX2 and 
 Zen 4 EPYC it made the fp32 generation of 16 rows in one process of 2 threads 1.4x faster: on the
 generic path a product of 2 to 11 rows took as long as that many products of one row, and the AVX2 path
 was 1.7-2.9x faster there. With 1 thread (each of the quickstart's RL workers) both paths ran as fast, and
-the quickstart's fp32 stages gave the same trajectories, losses and answers on both. Its errors against a float64 reference
-are the generic path's (relative RMS 2-4e-7 on SmolLM2's weights, every shape measured).
+the quickstart's fp32 stages gave the same trajectories, losses and answers on both. Its errors against
+a float64 reference are the generic path's (relative RMS 2-4e-7 on SmolLM2's weights, every shape measured).
 
 It changes only fp32 products: bf16 ones go to oneDNN, whatever MKL_CBWR says. The quickstart's
 `--smoke` run in bf16 gave the same SFT and RL models, trajectories and answers with and without it.
@@ -28,10 +28,10 @@ __all__ = ["MKL_BRANCH_VAR", "MKL_BRANCH", "MKL_OWN", "CPUINFO", "cpu_vendor_and
 
 MKL_BRANCH_VAR = "MKL_CBWR"
 MKL_BRANCH = "AVX2"
-MKL_OWN = ""
-"""The value that keeps MKL's own pick (MKL ignores an empty MKL_CBWR): the user's way to opt out."""
 """The branch set on an x86 CPU that is not Intel's. On the Zen 4 EPYC (avx512f), `AVX512` computed the same
 numbers at the same speed as `AVX2`, and `AVX2` also runs on CPUs without AVX-512 (Zen 2 and 3)."""
+MKL_OWN = ""
+"""The value that keeps MKL's own pick (MKL ignores an empty MKL_CBWR): the user's way to opt out."""
 
 CPUINFO = Path("/proc/cpuinfo")
 
