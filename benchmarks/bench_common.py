@@ -55,19 +55,11 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
 def cpu_flags() -> list[str]:
     """The SIMD flags a CPU timing depends on (fp32 AVX2 vs native bf16), from /proc/cpuinfo."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in SIMD_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
+    from verl_arpo.utils.cpu_info import simd_flags
+
+    return simd_flags()
 
 
 def machine_info() -> dict[str, Any]:

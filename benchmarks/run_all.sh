@@ -116,6 +116,10 @@ run precision benchmarks/bench_precision.py $(q --quick)
 # 18. MKL's AVX2 code path against MKL's own pick, fp32: the quickstart's SFT steps and evaluation (checks utils/cpu_blas.py)
 run mkl_branch benchmarks/bench_mkl_branch.py $(q --quick)
 
+# 19. an arm of the comparison (the quickstart's RL stage, merge and evaluation of 600) with this code against the code when issue 47 was filed
+if [[ -f outputs/quickstart/summary.json && $QUICK == 0 ]]; then AC=(); else AC=(--quick); fi
+run arm_cost benchmarks/bench_arm_cost.py "${AC[@]}"
+
 CMD="bash benchmarks/run_all.sh $*"
 "$PY" benchmarks/summarize.py --load_start "$LOAD_START" --command "${CMD% }" --seconds $(( $(date +%s) - T0 )) \
   --failed "$(IFS=,; echo "${FAILED[*]}")"

@@ -131,7 +131,7 @@ ADAPT = {"tools": adapt_tools, "rollout_engine": adapt_rollout, "branching": ada
 ORDER = ["trainer_vs_trl", "trainer_vs_trl_smollm2", "trainer_vs_trl_smollm2_amx", "trainer_vs_trl_smollm2_zen4", "trainer_vs_trl_smollm2_zen4_mkl_avx2", "trainer_vs_trl_smollm2_zen4_trl_cnr", "on_policy_skip", "on_policy_skip_smollm2", "branching_tiny", "branching", "rollout_engine", "tools", "scaling", "cpu_efficiency",
          "weight_sync", "vllm_sampling", "engine_levers", "engine_levers_kv_room", "engine_levers_fused_fp32", "actor_update", "async_rollout_hf", "async_rollout_hf_zero", "async_rollout_hf_tiny",
          "async_rollout_hf_tiny_zero", "async_rollout_vllm", "async_rollout_vllm_zero", "async_rollout_vllm_tiny",
-         "sequence_parallel", "tool_formats", "decode_kernels", "decode_kernels_threads1", "eval_workers", "update_ranks", "sft_step", "precision", "mkl_branch"]
+         "sequence_parallel", "tool_formats", "decode_kernels", "decode_kernels_threads1", "eval_workers", "update_ranks", "sft_step", "precision", "mkl_branch", "arm_cost"]
 
 
 def collect(results: Path) -> dict[str, list[dict]]:

@@ -279,11 +279,9 @@ def git_commit(checkout: Path = ROOT) -> str:
 
 def cpu_flags() -> list[str]:
     """The CPU features that decide the speed of a run here (native bf16 or AVX2 only)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
-    except (OSError, IndexError):
-        return []
-    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"})
+    from verl_arpo.utils.cpu_info import simd_flags
+
+    return sorted(simd_flags())
 
 
 class Experiment:

@@ -147,6 +147,7 @@ SMOKES = {
     "sft_step": ["bench_sft_step.py", "--quick"],
     "precision": ["bench_precision.py", "--quick"],
     "mkl_branch": ["bench_mkl_branch.py", "--quick"],
+    "arm_cost": ["bench_arm_cost.py", "--quick", "--baseline", "HEAD"],
 }
 
 
@@ -173,6 +174,14 @@ def test_benchmark_smoke_writes_valid_json(name, tmp_path):
         assert [r["single_process"] for r in data["ours_runs"]["ours_w1p"]] == [True]
         assert [r["single_process"] for r in data["ours_runs"]["ours_w2"]] == [False]
         assert "no Ray" in data["summary"][0]["ours_config"] and set(data["ours_variants"]) == {"ours_w2"}
+    if name == "arm_cost":
+        # --baseline HEAD: both arms run this code from one SFT model, so they compute the same run
+        base, ours = (next(r for r in data["rows"] if r["arm"] == arm) for arm in ("baseline", "this checkout"))
+        assert data["revs"]["baseline"] == data["revs"]["this checkout"]
+        for key in ("eval_tokens", "accuracy_rl", "eval_questions"):
+            assert base[key] == ours[key], key
+        assert base["rl"]["steps"] == ours["rl"]["steps"] == 2
+        assert base["rl"]["generated_tokens"] == ours["rl"]["generated_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -187,7 +187,7 @@ def test_a_stage_gets_mkls_avx2_path_on_a_cpu_that_is_not_intels(tmp_path, monke
     """run_logged gives a stage MKL_CBWR=AVX2 where /proc/cpuinfo names a vendor other than Intel with AVX2
     and FMA (utils/cpu_blas.py), nothing on an Intel CPU, and the user's value wherever one is set."""
     from verl_arpo.quickstart import STAGE_ENV, run_logged
-    from verl_arpo.utils import cpu_blas
+    from verl_arpo.utils import cpu_info
 
     monkeypatch.delenv("MKL_CBWR", raising=False)
     show = [sys.executable, "-c", "import os; print(repr(os.environ.get('MKL_CBWR')))"]
@@ -195,7 +195,7 @@ def test_a_stage_gets_mkls_avx2_path_on_a_cpu_that_is_not_intels(tmp_path, monke
     for vendor, user in (("AuthenticAMD", None), ("GenuineIntel", None), ("AuthenticAMD", "AUTO")):
         info = tmp_path / f"cpuinfo_{vendor}"
         info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: sse2 avx fma avx2\n")
-        monkeypatch.setattr(cpu_blas, "CPUINFO", info)
+        monkeypatch.setattr(cpu_info, "CPUINFO", info)
         if user:
             monkeypatch.setenv("MKL_CBWR", user)
         log = tmp_path / f"{vendor}_{user}.log"

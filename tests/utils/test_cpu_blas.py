@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from verl_arpo.utils import cpu_blas
-from verl_arpo.utils.cpu_blas import MKL_BRANCH_VAR, cpu_vendor_and_flags, mkl_branch_env
+from verl_arpo.utils import cpu_info
+from verl_arpo.utils.cpu_blas import MKL_BRANCH_VAR, mkl_branch_env
 from verl_arpo.utils.threads import CHOSEN_BY_US, cpu_process_env
 
-# /proc/cpuinfo of two processors each (the first decides), as the kernel writes them
+# /proc/cpuinfo of two processors each, as the kernel writes them
 AMD_ZEN4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
             "flags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16\n\n"
             "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx fma avx2 avx512f\n")
@@ -29,13 +29,6 @@ def _cpuinfo(tmp_path, text):
     path = tmp_path / "cpuinfo"
     path.write_text(text)
     return path
-
-
-def test_the_vendor_and_flags_of_the_first_processor():
-    assert cpu_vendor_and_flags(AMD_ZEN4) == ("AuthenticAMD", {"fpu", "sse2", "avx", "fma", "avx2", "avx512f",
-                                                               "avx512_bf16"})
-    assert cpu_vendor_and_flags(ARM) == (None, set())
-    assert cpu_vendor_and_flags("") == (None, set())
 
 
 @pytest.mark.parametrize("text, expected", [(AMD_ZEN4, {MKL_BRANCH_VAR: "AVX2"}), (AMD_OLD, {}), (INTEL, {}),
@@ -58,10 +51,10 @@ def test_the_users_value_wins_and_is_carried_on(tmp_path, monkeypatch):
 
 
 def test_a_process_gets_the_branch_beside_how_its_threads_wait(tmp_path, monkeypatch, no_user_value):
-    monkeypatch.setattr(cpu_blas, "CPUINFO", _cpuinfo(tmp_path, AMD_ZEN4))
+    monkeypatch.setattr(cpu_info, "CPUINFO", _cpuinfo(tmp_path, AMD_ZEN4))
     env = cpu_process_env(alone=False)
     assert env[MKL_BRANCH_VAR] == "AVX2" and env[CHOSEN_BY_US] == "auto" and env["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setattr(cpu_blas, "CPUINFO", _cpuinfo(tmp_path, INTEL))
+    monkeypatch.setattr(cpu_info, "CPUINFO", _cpuinfo(tmp_path, INTEL))
     assert MKL_BRANCH_VAR not in cpu_process_env(alone=False)
 
 

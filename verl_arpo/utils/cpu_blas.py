@@ -24,7 +24,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["MKL_BRANCH_VAR", "MKL_BRANCH", "MKL_OWN", "CPUINFO", "cpu_vendor_and_flags", "mkl_branch_env"]
+from verl_arpo.utils.cpu_info import read_cpu_vendor_and_flags
+
+__all__ = ["MKL_BRANCH_VAR", "MKL_BRANCH", "MKL_OWN", "mkl_branch_env"]
 
 MKL_BRANCH_VAR = "MKL_CBWR"
 MKL_BRANCH = "AVX2"
@@ -32,25 +34,6 @@ MKL_BRANCH = "AVX2"
 numbers at the same speed as `AVX2`, and `AVX2` also runs on CPUs without AVX-512 (Zen 2 and 3)."""
 MKL_OWN = ""
 """The value that keeps MKL's own pick (MKL ignores an empty MKL_CBWR): the user's way to opt out."""
-
-CPUINFO = Path("/proc/cpuinfo")
-
-
-def cpu_vendor_and_flags(cpuinfo_text: str) -> tuple[str | None, set[str]]:
-    """(vendor_id, flags) of the first processor in /proc/cpuinfo's text; (None, set()) without them
-    (an ARM CPU names no vendor_id)."""
-    vendor, flags = None, set()
-    for line in cpuinfo_text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "vendor_id" and vendor is None:
-            vendor = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-        if vendor is not None and flags:
-            break
-    return vendor, flags
-
 
 def mkl_branch_env(user_env: Mapping[str, str] | None = None, cpuinfo: Path | None = None) -> dict[str, str]:
     """{"MKL_CBWR": value} for a process that starts now: the user's value (in `user_env`, else in this
@@ -62,10 +45,7 @@ def mkl_branch_env(user_env: Mapping[str, str] | None = None, cpuinfo: Path | No
     for env in (user_env or {}, os.environ):
         if MKL_BRANCH_VAR in env:
             return {MKL_BRANCH_VAR: env[MKL_BRANCH_VAR]}
-    try:
-        vendor, flags = cpu_vendor_and_flags((cpuinfo or CPUINFO).read_text())
-    except OSError:
-        return {}
+    vendor, flags = read_cpu_vendor_and_flags(cpuinfo)
     if vendor is None or vendor == "GenuineIntel" or not {"avx2", "fma"} <= flags:
         return {}
     return {MKL_BRANCH_VAR: MKL_BRANCH}

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from verl_arpo.utils.cpu_info import cpu_vendor_and_flags, read_cpu_vendor_and_flags
+
 __all__ = ["cpu_has_fast_bf16", "cuda_worker_env", "get_device_name", "get_dist_backend", "get_torch_device",
            "release_device_cache", "set_local_device", "without_cudnn_attention"]
 
@@ -66,16 +68,7 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     slower than fp32, so CPU runs should compute in fp32. Decided from the flags, not by timing, so
     the same machine always picks the same precision (and so the same numbers). Where the flags
     cannot be read (not Linux) the answer is False: fp32 is never the slow choice."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
+    flags = (read_cpu_vendor_and_flags() if cpuinfo is None else cpu_vendor_and_flags(cpuinfo))[1]
     return any(f in flags for f in _BF16_FLAGS)
 
 
