@@ -49,7 +49,11 @@ TIMED = ("rl", "merge", "eval_rl")
 
 
 def git(*args: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+    """git's output; its error, by name, if it fails (e.g. a revision this clone does not have)."""
+    r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed in {cwd}: {r.stderr.strip()}")
+    return r.stdout.strip()
 
 
 def sft_arguments(from_dir: Path) -> list[str]:
@@ -95,7 +99,6 @@ def run_arm(code: Path, from_dir: Path, out: Path, extra: list[str], log: Path) 
     """One arm: `code`'s quickstart over a folder seeded from `from_dir`; what its three stages cost."""
     seed_run(from_dir, out)
     env = {**os.environ, "PYTHONPATH": str(code)}   # `code`'s package, also in its Ray workers
-    env.pop("VIRTUAL_ENV", None)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen([PY, "-m", "verl_arpo.quickstart", "--out", str(out), *extra], cwd=str(code),

@@ -60,3 +60,10 @@ def test_from_must_be_a_finished_quickstart_and_gives_its_sft_models_arguments(t
     seed_run(tmp_path, run)
     assert sorted(p.name for p in run.iterdir()) == ["eval_base.json", "eval_sft.json", "sft_model", "stage_seconds.json"]
     assert json.loads((run / "stage_seconds.json").read_text()) == {"eval_base": 31.3, "sft": 459.2, "eval_sft": 194.8}
+
+
+def test_a_revision_this_clone_lacks_is_refused_by_name():
+    from bench_arm_cost import git
+
+    with pytest.raises(SystemExit, match="git rev-parse --verify no-such-revision-here failed"):
+        git("rev-parse", "--verify", "no-such-revision-here")
