@@ -82,7 +82,9 @@ def seed_run(from_dir: Path, out: Path) -> None:
 
 def rl_metrics(metrics_file: Path) -> dict:
     """The RL stage's totals over its steps (keys a checkout does not log are left out)."""
-    steps = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    from verl_arpo.utils.tracking import training_steps
+
+    steps = training_steps(metrics_file)
     out = {"steps": len(steps)}
     for key, name in (("rollout/tokens_generated", "generated_tokens"), ("timing_s/gen", "gen_s"),
                       ("timing_s/update_actor", "update_s"), ("timing_s/step", "step_s")):

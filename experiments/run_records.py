@@ -12,14 +12,11 @@ import numpy as np
 
 from comparison_report import KINDS
 
+from verl_arpo.utils.tracking import training_steps
+
 def last_per_step(metrics_file: Path) -> list[dict]:
     """metrics.jsonl rows, one per step (a resumed run appends: the last line of a step counts)."""
-    rows: dict[int, dict] = {}
-    for line in open(metrics_file):
-        m = json.loads(line)
-        if "step" in m and "critic/score/mean" in m:
-            rows[int(m["step"])] = m
-    return [rows[s] for s in sorted(rows)]
+    return training_steps(metrics_file)
 
 
 def checkpointed_step(rl_dir: Path) -> int:

@@ -36,9 +36,9 @@ def test_no_ratio_without_both_arms():
 
 def test_rl_totals_sum_the_logged_steps_and_leave_out_what_a_checkout_does_not_log(tmp_path):
     f = tmp_path / "metrics.jsonl"
-    f.write_text(json.dumps({"step": 1, "rollout/tokens_generated": 1140.0, "timing_s/gen": 20.0, "timing_s/step": 47.5,
+    f.write_text(json.dumps({"step": 1, "critic/score/mean": 0.85, "rollout/tokens_generated": 1140.0, "timing_s/gen": 20.0, "timing_s/step": 47.5,
                              "perf/cpu_memory_peak_gb": 2.8}) + "\n"
-                 + json.dumps({"step": 2, "rollout/tokens_generated": 1000.0, "timing_s/gen": 19.25, "timing_s/step": 41.0,
+                 + json.dumps({"step": 2, "critic/score/mean": 0.79, "rollout/tokens_generated": 1000.0, "timing_s/gen": 19.25, "timing_s/step": 41.0,
                                "perf/cpu_memory_peak_gb": 3.1}) + "\n")
     assert rl_metrics(f) == {"steps": 2, "generated_tokens": 2140.0, "gen_s": 39.2, "step_s": 88.5, "worker_peak_gb": 3.1}
 

@@ -144,3 +144,15 @@ def test_wandb_settings_fail_closed():
 
     with pytest.raises(RuntimeError, match="cannot turn off its host metadata"):
         private_wandb_settings(WithoutMeta)
+
+
+def test_training_steps_reads_back_one_row_a_step_the_last_line_winning(tmp_path):
+    """A resumed run appends to metrics.jsonl: the line logged last for a step counts; a line that is not a
+    training step's (no score) is skipped; rows come in step order."""
+    from verl_arpo.utils.tracking import training_steps
+
+    f = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.6},
+             {"step": 2, "val/accuracy": 0.7}, {"step": 2, "critic/score/mean": 0.65}, {"step": 0, "critic/score/mean": 0.1}]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert training_steps(f) == [lines[4], lines[0], lines[3]]

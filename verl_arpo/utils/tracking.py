@@ -40,7 +40,7 @@ from omegaconf import ListConfig
 from verl_arpo.utils.secrets import mask_secrets, mask_text
 
 __all__ = ["Tracking", "ConsoleBackend", "JsonlBackend", "TensorboardBackend", "WandbBackend", "CONSOLE_KEYS",
-           "LOGGER_BACKENDS", "parse_logger"]
+           "LOGGER_BACKENDS", "parse_logger", "training_steps"]
 
 LOGGER_BACKENDS = ("console", "wandb", "tensorboard", "jsonl")
 
@@ -182,6 +182,17 @@ class JsonlBackend:
     def finish(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def training_steps(metrics_file: Path, key: str = "critic/score/mean") -> list[dict]:
+    """JsonlBackend's metrics.jsonl read back: one row per training step, in step order. A resumed run appends
+    to the file, so the last line of a step counts; a line without `key` (not a training step's) is skipped."""
+    rows: dict[int, dict] = {}
+    for line in open(metrics_file, encoding="utf-8"):
+        m = json.loads(line)
+        if "step" in m and key in m:
+            rows[int(m["step"])] = m
+    return [rows[s] for s in sorted(rows)]
 
 
 class TensorboardBackend:
